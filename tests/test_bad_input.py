@@ -1,0 +1,67 @@
+"""Every bad call raises a clear error before the model is touched."""
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vitprune
+from test_patch_lifecycle import assert_same, snapshot
+
+BAD_OPTIONS = [
+    ({"indicator": "entropy"}, ValueError, "accepted: 'var', 'medad', 'cls', 'random'"),
+    ({"keep_rate": 0.0}, ValueError, r"\(0, 1\]"),
+    ({"keep_rate": 1.2}, ValueError, r"\(0, 1\]"),
+    ({"stages": (3, 12)}, ValueError, "out of range: the model has 12 blocks"),
+    ({"stages": (3, 3)}, ValueError, "repeat"),
+    ({"keep_rate": (0.7, 0.5), "stages": (3, 6, 9)}, ValueError, "one keep_rate per stage"),
+    ({"keep_rate": (0.7, 0.5)}, ValueError, "pass stages explicitly"),
+    ({"T": 0}, ValueError, "T must be > 0"),
+    ({"keep": 0.7}, TypeError, "unknown option.*accepted: indicator, keep_rate"),
+    ({"generator": torch.Generator()}, ValueError, "generator only applies"),
+    ({"generator": 3, "indicator": "random"}, TypeError, "torch.Generator"),
+    ({"seed": 1, "indicator": "random", "generator": torch.Generator()}, ValueError, "not both"),
+]
+
+
+@pytest.mark.parametrize("options, error, match", BAD_OPTIONS)
+def test_bad_options_raise_and_leave_the_model_untouched(tiny, options, error, match):
+    before = snapshot(tiny)
+    with pytest.raises(error, match=match):
+        vitprune.patch(tiny, **options)
+    assert_same(before, snapshot(tiny))
+    assert not vitprune.is_patched(tiny)
+
+
+@pytest.mark.parametrize("options, error, match", BAD_OPTIONS[:4])
+def test_a_failed_repatch_keeps_the_previous_patch(tiny, options, error, match):
+    vitprune.patch(tiny, indicator="medad", keep_rate=0.5, stages=(2,))
+    config, before = vitprune.get_config(tiny), snapshot(tiny)
+    with pytest.raises(error, match=match):
+        vitprune.patch(tiny, **options)
+    assert vitprune.get_config(tiny) == config
+    assert_same(before, snapshot(tiny))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: nn.Linear(3, 3), "supported: timm VisionTransformer"),
+    (lambda: timm.create_model("resnet10t"), "cannot patch a .*ResNet"),
+    (lambda: "deit_small_patch16_224", "torch.nn.Module"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", class_token=False, global_pool="avg"), "class token"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="avg"), "global_pool"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=timm.models.vision_transformer.ResPostBlock),
+     "block 3 is a ResPostBlock; vitprune can prune in: Block"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", attn_layer="diff"), "attention DiffAttention"),
+])
+def test_unsupported_models_raise_type_error_and_stay_untouched(make, match):
+    model = make()
+    before = snapshot(model) if isinstance(model, nn.Module) else None
+    with pytest.raises(TypeError, match=match):
+        vitprune.patch(model, keep_rate=0.7)
+    if before is not None:
+        assert_same(before, snapshot(model))
+
+
+def test_bad_config_object_is_refused(tiny):
+    with pytest.raises(TypeError, match="vitprune.PruneConfig"):
+        vitprune.patch(tiny, {"keep_rate": 0.7})

@@ -1,0 +1,61 @@
+"""PruneConfig validation and resolution."""
+
+import math
+
+import pytest
+
+from vitprune import PruneConfig, default_stages
+
+
+@pytest.mark.parametrize("depth, expected", [(12, (3, 6, 9)), (24, (6, 12, 18)), (6, (1, 3, 4)), (2, (0, 1)), (1, (0,))])
+def test_default_stages_scale_with_depth(depth, expected):
+    assert default_stages(depth) == expected
+
+
+def test_resolve_fills_stages_and_per_stage_rates():
+    cfg = PruneConfig(keep_rate=0.6).resolve(12)
+    assert cfg.stages == (3, 6, 9) and cfg.keep_rate == (0.6, 0.6, 0.6)
+    cfg = PruneConfig(keep_rate=[0.9, 0.8], stages=[2, 5]).resolve(8)
+    assert cfg.stages == (2, 5) and cfg.keep_rate == (0.9, 0.8)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        PruneConfig().T = 2.0
+
+
+@pytest.mark.parametrize("options, error, match", [
+    ({"indicator": "variance"}, ValueError, "accepted: 'var', 'medad', 'cls', 'random'"),
+    ({"keep_rate": 0.0}, ValueError, r"keep_rate must be in \(0, 1\]"),
+    ({"keep_rate": 1.5}, ValueError, r"keep_rate must be in \(0, 1\]"),
+    ({"keep_rate": -0.2}, ValueError, r"keep_rate must be in \(0, 1\]"),
+    ({"keep_rate": math.nan}, TypeError, "keep_rate"),
+    ({"keep_rate": "0.7"}, TypeError, "keep_rate"),
+    ({"keep_rate": True}, TypeError, "keep_rate"),
+    ({"keep_rate": ()}, ValueError, "non-empty"),
+    ({"keep_rate": (0.7, 0.5), "stages": (3, 6, 9)}, ValueError, "one keep_rate per stage"),
+    ({"stages": (3, 3)}, ValueError, "repeat"),
+    ({"stages": (6, 3)}, ValueError, "increasing"),
+    ({"stages": (-1,)}, ValueError, "negative"),
+    ({"stages": (1.5,)}, TypeError, "block indices"),
+    ({"stages": 3}, TypeError, "sequence"),
+    ({"T": 0.0}, ValueError, "T must be > 0"),
+    ({"T": -1.0}, ValueError, "T must be > 0"),
+    ({"T": "hot"}, TypeError, "T must be"),
+    ({"fuse": 1}, TypeError, "fuse"),
+    ({"seed": 3}, ValueError, "seed only applies"),
+    ({"indicator": "random", "seed": 1.5}, TypeError, "seed"),
+])
+def test_bad_values_raise_clearly(options, error, match):
+    with pytest.raises(error, match=match):
+        PruneConfig(**options)
+
+
+def test_resolve_rejects_stages_beyond_the_model():
+    with pytest.raises(ValueError, match=r"out of range: the model has 12 blocks \(valid indices 0..11\)"):
+        PruneConfig(stages=(3, 12)).resolve(12)
+
+
+def test_resolve_rejects_rates_that_do_not_fit_the_default_stages():
+    with pytest.raises(ValueError, match="pass stages explicitly"):
+        PruneConfig(keep_rate=(0.7, 0.7)).resolve(12)

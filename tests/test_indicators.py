@@ -1,0 +1,78 @@
+"""The indicators against values worked out by hand (METHOD.md §2)."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from vitprune.indicators import head_mean, head_medad, head_variance, median, uniform_random
+
+# One image, the class token's attention over 3 patches, for 2 heads: (B=1, H=2, N=3).
+TWO_HEADS = torch.tensor([[[0.2, 0.5, 0.3],
+                           [0.4, 0.1, 0.5]]])
+
+
+def test_variance_by_hand():
+    # patch 0: heads 0.2, 0.4 -> mean 0.3, deviations +-0.1 -> variance 0.01
+    # patch 1: 0.5, 0.1 -> mean 0.3, +-0.2 -> 0.04;  patch 2: 0.3, 0.5 -> 0.01
+    assert_close(head_variance(TWO_HEADS), torch.tensor([[0.01, 0.04, 0.01]]))
+
+
+def test_variance_is_not_the_papers_printed_eq6():
+    # Eq. 6 as printed, mean_h (a_h - mean), is zero for every patch; ours is not.
+    printed = (TWO_HEADS - TWO_HEADS.mean(dim=1, keepdim=True)).mean(dim=1)
+    assert_close(printed, torch.zeros(1, 3))
+    assert (head_variance(TWO_HEADS) > 0).all()
+
+
+def test_medad_even_heads_by_hand():
+    # Four heads, one patch: values 0.1, 0.2, 0.4, 0.9.
+    # median = (0.2 + 0.4) / 2 = 0.3; |deviations| = 0.2, 0.1, 0.1, 0.6 -> sorted 0.1, 0.1, 0.2, 0.6
+    # median of those = (0.1 + 0.2) / 2 = 0.15
+    attn = torch.tensor([0.1, 0.9, 0.4, 0.2]).reshape(1, 4, 1)
+    assert_close(head_medad(attn), torch.tensor([[0.15]]))
+
+
+def test_medad_two_heads_is_not_degenerate():
+    # With the lower median, two heads would always give 0; the textbook median gives
+    # half the gap: patch 0 |0.2 - 0.4| / 2 = 0.1, patch 1 0.2, patch 2 0.1.
+    assert_close(head_medad(TWO_HEADS), torch.tensor([[0.1, 0.2, 0.1]]))
+
+
+def test_medad_odd_heads_by_hand():
+    # Five heads, two patches.
+    # patch 0: 0.1 0.3 0.2 0.8 0.25 -> median 0.25; |dev| 0.15 0.05 0.05 0.55 0 -> median 0.05
+    # patch 1: all 0.2 except one 0.6 -> median 0.2; |dev| 0 0 0 0.4 0 -> median 0
+    attn = torch.tensor([[0.1, 0.2], [0.3, 0.2], [0.2, 0.6], [0.8, 0.2], [0.25, 0.2]]).unsqueeze(0)
+    assert_close(head_medad(attn), torch.tensor([[0.05, 0.0]]))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 6, 7])
+def test_median_matches_the_textbook_definition(count):
+    values = torch.randperm(count).float().reshape(1, count, 1)
+    expected = (count - 1) / 2  # the median of 0, 1, ..., count - 1
+    assert median(values, dim=1).item() == expected
+
+
+def test_cls_is_the_mean_over_heads():
+    assert_close(head_mean(TWO_HEADS), torch.tensor([[0.3, 0.3, 0.4]]))
+
+
+def test_scores_are_float32_for_half_inputs():
+    attn = torch.softmax(torch.randn(2, 6, 197), dim=-1)[:, :, 1:]
+    for score in (head_variance, head_medad, head_mean):
+        out = score(attn.to(torch.bfloat16))
+        assert out.dtype == torch.float32
+        assert torch.isfinite(out).all()
+    # The inputs are upcast before subtracting, so bf16 rounding of ~1/N values still
+    # leaves a variance close to the float32 one.
+    assert_close(head_variance(attn.to(torch.bfloat16)), head_variance(attn), rtol=0.05, atol=1e-7)
+
+
+def test_random_is_seedable_and_uniform():
+    attn = torch.rand(3, 4, 50)
+    a = uniform_random(attn, torch.Generator().manual_seed(7))
+    b = uniform_random(attn, torch.Generator().manual_seed(7))
+    c = uniform_random(attn, torch.Generator().manual_seed(8))
+    assert a.shape == (3, 50) and a.dtype == torch.float32
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert ((a >= 0) & (a < 1)).all()

@@ -1,0 +1,25 @@
+"""vitprune: prune the patch tokens of a pretrained timm Vision Transformer, in place.
+
+>>> import timm, vitprune
+>>> model = timm.create_model("deit_small_patch16_224")
+>>> vitprune.patch(model, indicator="var", keep_rate=0.7, stages=(3, 6, 9))
+>>> vitprune.unpatch(model)
+"""
+
+from .config import INDICATORS, PruneConfig, default_stages, keep_count
+from .patching import SUPPORTED_MODELS, get_config, is_patched, kept_positions, patch, unpatch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "INDICATORS",
+    "PruneConfig",
+    "SUPPORTED_MODELS",
+    "default_stages",
+    "get_config",
+    "is_patched",
+    "keep_count",
+    "kept_positions",
+    "patch",
+    "unpatch",
+]

@@ -1,0 +1,84 @@
+"""Keep the top-scoring tokens and fuse the rest into one (METHOD.md §3-4). Pure torch."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Tuple
+
+import torch
+
+
+class Selection(NamedTuple):
+    """Which of ``n`` tokens stay, per image.
+
+    Attributes:
+        keep: ``(B, k)`` indices of the kept tokens, in their original order.
+        drop: ``(B, n - k)`` indices of the pruned tokens, highest score first.
+    """
+
+    keep: torch.Tensor
+    drop: torch.Tensor
+
+
+def select_top(scores: torch.Tensor, k: int) -> Selection:
+    """Split the tokens of every image into its ``k`` highest scores and the rest.
+
+    Ties keep the earlier token (a stable sort), so the choice is deterministic.
+    Indices are never differentiated.
+    """
+    if not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
+    order = scores.detach().sort(dim=1, descending=True, stable=True).indices
+    keep = order[:, :k].sort(dim=1).values
+    return Selection(keep=keep, drop=order[:, k:])
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[b, index[b]]`` for every image: ``(B, n, C)`` and ``(B, m)`` give ``(B, m, C)``."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+def fusion_weights(scores: torch.Tensor, T: float) -> torch.Tensor:
+    """Eq. 8's weights ``softmax(s / (T * scale))`` over the last axis, in float32.
+
+    ``scale`` is the mean absolute score of each image over the ``scores`` given
+    (floored at the smallest normal float), which makes ``T`` unit-free: raw variances
+    are ~1e-6, so a raw ``T = 1`` would always mean plain mean pooling.
+    """
+    s = scores.float()
+    scale = s.abs().mean(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.softmax(s / (scale * T), dim=-1)
+
+
+def fuse_tokens(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_i w_i x_i`` per image: ``(B, m, C)`` tokens, ``(B, m)`` weights, ``(B, 1, C)`` out."""
+    return torch.bmm(weights.to(tokens.dtype).unsqueeze(1), tokens)
+
+
+def prune_tokens(
+        x: torch.Tensor,
+        scores: torch.Tensor,
+        num_prefix: int,
+        k: int,
+        fuse: bool,
+        T: float,
+) -> Tuple[torch.Tensor, Selection]:
+    """Keep the prefix tokens and the ``k`` top-scoring others; fuse or drop the rest.
+
+    Args:
+        x: ``(B, num_prefix + n, C)`` tokens.
+        scores: ``(B, n)`` scores of the non-prefix tokens.
+        num_prefix: Tokens at the front that are always kept (class, distillation, registers).
+        k: How many non-prefix tokens to keep.
+        fuse: Append one fusion token made from the pruned ones (when any are pruned).
+        T: Fusion temperature, see :func:`fusion_weights`.
+
+    Returns:
+        ``(B, num_prefix + k [+ 1], C)`` tokens, and the selection made.
+    """
+    sel = select_top(scores, k)
+    patches = x[:, num_prefix:]
+    parts = [x[:, :num_prefix], gather_tokens(patches, sel.keep)]
+    if fuse and sel.drop.shape[1] > 0:
+        weights = fusion_weights(scores.gather(1, sel.drop), T)
+        parts.append(fuse_tokens(gather_tokens(patches, sel.drop), weights))
+    return torch.cat(parts, dim=1), sel
