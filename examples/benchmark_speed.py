@@ -36,15 +36,19 @@ def build_models(name: str, stages: Tuple[int, ...]) -> Dict[str, torch.nn.Modul
 
 
 def time_interleaved(models: Dict[str, torch.nn.Module], x: torch.Tensor, rounds: int) -> Dict[str, float]:
-    """Median seconds per forward of each model, the models taking turns each round."""
+    """Median seconds per forward of each model, the models taking turns each round.
+
+    The turn order rotates by one every round, so no setting always runs first.
+    """
     times: Dict[str, List[float]] = {key: [] for key in models}
+    keys = list(models)
     with torch.inference_mode():
         for model in models.values():  # warm-up: allocator, kernels, caches
             model(x)
-        for _ in range(rounds):
-            for key, model in models.items():
+        for round_ in range(rounds):
+            for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
                 start = time.perf_counter()
-                model(x)
+                models[key](x)
                 times[key].append(time.perf_counter() - start)
     return {key: statistics.median(values) for key, values in times.items()}
 

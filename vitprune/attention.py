@@ -17,6 +17,10 @@ from timm.layers import Attention
 def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix: int) -> torch.Tensor:
     """The class token's softmax attention over the patch tokens, per head, in float32.
 
+    The logits are computed in the model's dtype, like the model's own attention, and
+    the softmax in float32. When ``k`` is a view of timm's fused ``qkv`` output (no
+    ``k_norm``), the product runs on that layout directly instead of copying ``k``.
+
     Args:
         q: ``(B, H, P + N, d)`` queries, as the attention uses them (after ``q_norm``).
         k: ``(B, H, P + N, d)`` keys, likewise.
@@ -26,8 +30,17 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
     Returns:
         ``(B, H, N)``: the softmax over all ``P + N`` keys, restricted to the patch columns.
     """
-    logits = (q[:, :, :1].float() * scale) @ k.float().transpose(-2, -1)
-    return logits.softmax(dim=-1)[:, :, 0, num_prefix:]
+    B, H, L, d = k.shape
+    q_cls = q[:, :, 0] * scale  # (B, H, d)
+    if k.stride(3) == 1 and k.stride(1) == d:
+        # (B, L, H * d) as it sits in memory, times a block-diagonal (B, H * d, H) of the
+        # class queries: H times the minimal work, which is negligible, and no copy.
+        blocks = q_cls.unsqueeze(-1) * torch.eye(H, dtype=q.dtype, device=q.device).unsqueeze(1)
+        logits = torch.bmm(k.transpose(1, 2).reshape(B, L, H * d), blocks.reshape(B, H * d, H))
+        logits = logits.transpose(1, 2)
+    else:
+        logits = (q_cls.unsqueeze(2) @ k.transpose(-2, -1)).squeeze(2)
+    return logits.float().softmax(dim=-1)[:, :, num_prefix:]
 
 
 def attention_with_class_row(
