@@ -6,7 +6,9 @@
 >>> vitprune.unpatch(model)
 """
 
+from .budget import fit_keep_rate
 from .config import INDICATORS, PruneConfig, default_stages, keep_count
+from .flops import analytic_flops, count_flops
 from .patching import SUPPORTED_MODELS, get_config, is_patched, kept_positions, patch, unpatch
 
 __version__ = "0.1.0"
@@ -15,7 +17,10 @@ __all__ = [
     "INDICATORS",
     "PruneConfig",
     "SUPPORTED_MODELS",
+    "analytic_flops",
+    "count_flops",
     "default_stages",
+    "fit_keep_rate",
     "get_config",
     "is_patched",
     "keep_count",

@@ -1,16 +1,24 @@
-"""Analytic FLOPs from the token schedule (fvcore's convention: one multiply-add = one flop).
+"""FLOP counts, in fvcore's convention (one multiply-add = one flop).
 
-Counts the matrix products, which are all but a fraction of a percent of a ViT's work:
-patch embedding, per block the qkv / attention / projection / MLP products at the
-number of tokens each sees, the scoring row and fusion in pruning blocks, and the head.
-Norms, activations and softmaxes are left out.
+Two independent counts that cross-check each other:
+
+- :func:`count_flops` traces the model with fvcore. fvcore has no handle for
+  ``aten::scaled_dot_product_attention``, which timm uses, and would silently count the
+  attention products as zero; we register one.
+- :func:`analytic_flops` counts the matrix products from the token schedule: patch
+  embedding, per block the qkv / attention / projection / MLP products at the number of
+  tokens each sees, the scoring row and fusion in pruning blocks, and the head. Norms,
+  activations and softmaxes are left out (fvcore counts norms: about 0.2 %).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .config import PruneConfig, keep_count
@@ -42,15 +50,27 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
     return schedule
 
 
-def _grid(model: nn.Module, img_size: Optional[Tuple[int, int]]) -> int:
-    embed = model.patch_embed
+def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """``(H, W)``: ``img_size`` (an int means square), or the model's own input size."""
     if img_size is None:
-        grid = embed.grid_size
-    elif hasattr(embed, "dynamic_feat_size"):
-        grid = embed.dynamic_feat_size(tuple(img_size))
-    else:
-        grid = tuple(s // p for s, p in zip(img_size, embed.patch_size))
-    return int(grid[0]) * int(grid[1])
+        return tuple(int(s) for s in model.patch_embed.img_size)
+    if isinstance(img_size, int):
+        return (img_size, img_size)
+    return tuple(int(s) for s in img_size)
+
+
+def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
+    """Patch tokens the patch embedding makes from an ``img_size`` input.
+
+    Follows the convolution (kernel, stride, padding), so overlapping embeddings count
+    right too; with ``dynamic_img_pad`` the input is first padded to a multiple of the stride.
+    """
+    conv = model.patch_embed.proj
+    sizes = input_size(model, img_size)
+    if getattr(model.patch_embed, "dynamic_img_pad", False):
+        sizes = tuple(math.ceil(s / st) * st for s, st in zip(sizes, conv.stride))
+    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, conv.padding, conv.kernel_size, conv.stride)]
+    return grid[0] * grid[1]
 
 
 def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
@@ -58,20 +78,25 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
 
     Args:
         model: A timm ``VisionTransformer`` with ``Block`` blocks.
-        img_size: ``(H, W)`` of the input; the model's own size when ``None``.
+        img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
     """
-    embed = model.patch_embed
-    C = model.embed_dim
-    num_patches = _grid(model, None if img_size is None else tuple(img_size))
-    P = model.num_prefix_tokens
-    config = get_config(model) if is_patched(model) else None
-    schedule = token_schedule(config, len(model.blocks), P, num_patches)
+    return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size)
 
-    kh, kw = embed.proj.kernel_size
-    total = num_patches * C * embed.proj.in_channels * kh * kw
+
+def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Optional[Sequence[int]] = None) -> int:
+    """FLOPs of one image through ``model`` if it were patched with ``config`` (``None``: unpruned)."""
+    conv = model.patch_embed.proj
+    C = model.embed_dim
+    patches = num_patches(model, img_size)
+    depth = len(model.blocks)
+    if config is not None:
+        config = config.resolve(depth)
+    schedule = token_schedule(config, depth, model.num_prefix_tokens, patches)
+
+    kh, kw = conv.kernel_size
+    total = patches * C * conv.in_channels * kh * kw
     for index, tokens in enumerate(schedule):
-        block = model.blocks[index]
-        hidden = block.mlp.fc1.out_features
+        hidden = model.blocks[index].mlp.fc1.out_features
         L = tokens.attn
         total += L * C * 3 * C + 2 * L * L * C + L * C * C
         if config is not None and index in config.stages:  # the class row, then the fusion sum
@@ -81,3 +106,38 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
     if isinstance(head, nn.Linear):
         total += head.in_features * head.out_features
     return total
+
+
+def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
+    """fvcore handle: ``q @ k^T`` and ``attn @ v``, i.e. ``B * H * Lq * Lk * (d_qk + d_v)``."""
+    from fvcore.nn.jit_handles import get_shape
+
+    q, k, v = (get_shape(value) for value in inputs[:3])
+    return math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+
+
+def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
+    """FLOPs of one image through ``model`` (patched or not), traced by fvcore.
+
+    Args:
+        model: Any module taking a ``(1, 3, H, W)`` image; a timm ViT for ``img_size=None``.
+        img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
+    """
+    with warnings.catch_warnings():  # fvcore's import path touches the deprecated torch.jit.script
+        warnings.simplefilter("ignore", FutureWarning)
+        from fvcore.nn import FlopCountAnalysis
+
+    param = next(model.parameters())
+    x = torch.zeros(1, model.patch_embed.proj.in_channels, *input_size(model, img_size),
+                    dtype=param.dtype, device=param.device)
+    was_training = model.training
+    model.eval()
+    try:
+        analysis = FlopCountAnalysis(model, x).set_op_handle("aten::scaled_dot_product_attention", _sdpa_flops)
+        analysis.unsupported_ops_warnings(False)
+        analysis.uncalled_modules_warnings(False)
+        analysis.tracer_warnings("none")
+        with torch.no_grad():
+            return int(analysis.total())
+    finally:
+        model.train(was_training)

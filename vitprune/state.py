@@ -39,7 +39,7 @@ class PruneState:
     def prune(self, x: torch.Tensor, row: torch.Tensor, stage: int) -> torch.Tensor:
         """Apply pruning stage ``stage`` to tokens ``x`` given the class attention ``row``."""
         P = self.num_prefix
-        B, n = x.shape[0], x.shape[1] - P
+        B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
         previous = self.positions.get(stage - 1) if stage > 0 else None
         if stage == 0:
             self.positions.clear()

@@ -1,0 +1,56 @@
+"""``vitprune bench`` end to end on a tiny model, and its errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vitprune.cli import main
+
+TINY = ["--model", "deit_tiny_patch16_224", "--img-size", "64", "--batch", "2", "--rounds", "2",
+        "--warmup", "1", "--no-progress"]
+
+
+def test_bench_writes_json_rows(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", *TINY, "--no-memory", "--keep-rates", "1.0", "0.5", "--indicators", "var",
+                 "--out", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())
+    assert [r["setting"] for r in rows] == ["unpruned", "var keep 1", "var keep 0.5"]
+    assert rows[0]["speedup"] == 1.0
+    assert rows[2]["gflops"] < rows[1]["gflops"]
+    assert rows[2]["ideal_speedup"] == pytest.approx(rows[0]["gflops"] / rows[2]["gflops"])
+    assert all(r["images_per_s"] > 0 and r["peak_memory_mb"] is None for r in rows)
+    table = capsys.readouterr().out
+    assert "var keep 0.5" in table and "ach/ideal" in table
+
+
+def test_bench_training_step_with_memory_and_csv(tmp_path):
+    out = tmp_path / "bench.csv"
+    code = main(["bench", *TINY, "--mode", "train", "--indicators", "medad", "--keep-rates", "0.5",
+                 "--stages", "1,2", "--out", str(out)])
+    assert code == 0
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("model,setting,indicator") and len(lines) == 3
+    assert "medad keep 0.5 @1,2" in lines[2]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--model", "no_such_model"], "unknown timm model 'no_such_model'"),
+    (["--keep-rates", "1.5"], "keep_rate must be in (0, 1]"),
+    pytest.param(["--device", "cuda"], "no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
+    (["--out", "table.txt"], "must end in .json or .csv"),
+    (["--stages", "3,x"], "comma-separated block indices"),
+    (["--indicators", "entropy"], "invalid choice"),
+    (["--batch", "0"], "positive integer"),
+    (["--model", "vit_base_patch16_gap_224"], "vitprune needs a class token"),
+])
+def test_bad_options_exit_non_zero_with_a_message(options, message):
+    result = subprocess.run([sys.executable, "-m", "vitprune", "bench", *TINY, "--no-memory", *options],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert message in result.stderr

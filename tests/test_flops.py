@@ -1,0 +1,85 @@
+"""FLOP counts: fvcore (with an attention handle) against the analytic token schedule."""
+
+import pytest
+import timm
+import torch
+
+import vitprune
+from vitprune.budget import fit_keep_rate
+from vitprune.flops import analytic_flops, count_flops, num_patches, schedule_flops
+
+
+@pytest.fixture(scope="module")
+def deit_small():
+    torch.manual_seed(0)
+    return timm.create_model("deit_small_patch16_224").eval()
+
+
+def test_deit_small_unpruned_counts_agree_and_match_the_published_figure(deit_small):
+    traced, analytic = count_flops(deit_small), analytic_flops(deit_small)
+    assert abs(traced - analytic) / analytic < 0.02
+    assert round(analytic / 1e9, 1) == 4.6  # DeiT-S's published 4.6 GFLOPs
+
+
+def test_attention_products_are_counted(deit_small):
+    # 12 blocks x (q k^T + attn v) = 12 * 2 * 197^2 * 384 flops; without the handle fvcore skips them
+    attention = 12 * 2 * 197 * 197 * 384
+    linear_only = analytic_flops(deit_small) - attention
+    assert count_flops(deit_small) > linear_only + 0.9 * attention
+
+
+@pytest.mark.parametrize("options", [
+    {"keep_rate": 0.7}, {"keep_rate": 0.5, "fuse": False}, {"keep_rate": (0.9, 0.3), "stages": (1, 10)},
+])
+def test_pruned_counts_agree_with_the_schedule(deit_small, options):
+    vitprune.patch(deit_small, **options)
+    try:
+        traced, analytic = count_flops(deit_small), analytic_flops(deit_small)
+    finally:
+        vitprune.unpatch(deit_small)
+    assert abs(traced - analytic) / analytic < 0.02
+    assert analytic < analytic_flops(deit_small)
+
+
+def test_keep_0_7_analytic_ratio_is_the_papers_1_52(deit_small):
+    ratio = analytic_flops(deit_small) / schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=0.7))
+    assert round(ratio, 2) == 1.52
+
+
+def test_num_patches_follows_the_convolution():
+    model = timm.create_model("deit_tiny_patch16_224", dynamic_img_size=True)
+    assert num_patches(model) == 196
+    assert num_patches(model, (160, 96)) == 60
+    assert num_patches(model, 64) == 16
+
+
+@pytest.mark.parametrize("target", [4.0, 3.03, 2.5, 1.6])
+def test_fit_keep_rate_meets_the_budget_within_one_token(deit_small, target):
+    rate = fit_keep_rate(deit_small, target)
+    reached = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=rate))
+    assert reached <= target * 1e9
+    # walking up from the rate, the first rate that keeps one more token somewhere goes over
+    for step in range(1, 400):
+        over = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=min(1.0, rate + step * 1e-4)))
+        if over != reached:
+            break
+    assert over > target * 1e9
+    # "one token's worth": the slack is less than what that token would have cost
+    assert target * 1e9 - reached < over - reached
+
+
+def test_fit_keep_rate_returns_1_when_the_model_fits(deit_small):
+    assert fit_keep_rate(deit_small, 5.0) == 1.0
+
+
+def test_fit_keep_rate_says_when_a_budget_cannot_be_met(deit_small):
+    with pytest.raises(ValueError, match="no keep rate meets 1 GFLOPs.*already costs 1.3"):
+        fit_keep_rate(deit_small, 1.0)
+    with pytest.raises(ValueError, match="target_gflops must be > 0"):
+        fit_keep_rate(deit_small, 0)
+
+
+def test_fit_keep_rate_with_custom_stages_and_no_fusion(deit_small):
+    rate = fit_keep_rate(deit_small, 3.0, stages=(2, 4), fuse=False)
+    config = vitprune.PruneConfig(keep_rate=rate, stages=(2, 4), fuse=False)
+    assert schedule_flops(deit_small, config) <= 3e9

@@ -1,0 +1,307 @@
+"""``vitprune bench``: FLOPs, throughput and peak memory of pruned vs unpruned, in one run.
+
+Every setting gets its own copy of the same model. After a warm-up, the settings take
+turns (A B C ... then B C ... A, the order rotating each round) and the median time per
+step is reported, so machine noise hits all settings alike. Speed is a ratio to the
+unpruned model measured in the same run, next to the ideal ratio from the FLOP counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import functools
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import timm
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .config import INDICATORS, PruneConfig
+from .flops import count_flops, input_size
+from .memory import cpu_peak_bytes, cuda_peak_bytes
+from .patching import patch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MODES = ("infer", "train")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table: unpruned (``indicator=None``) or one patch."""
+
+    indicator: Optional[str] = None
+    keep_rate: float = 1.0
+    stages: Optional[Tuple[int, ...]] = None
+
+    @property
+    def label(self) -> str:
+        if self.indicator is None:
+            return "unpruned"
+        where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
+        return f"{self.indicator} keep {self.keep_rate:g}{where}"
+
+    def config(self) -> Optional[PruneConfig]:
+        if self.indicator is None:
+            return None
+        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, stages=self.stages)
+
+
+@dataclass
+class Row:
+    """One measured setting; ``speedup`` and ``ideal_speedup`` are ratios to the unpruned row."""
+
+    model: str
+    setting: str
+    indicator: Optional[str]
+    keep_rate: float
+    stages: Optional[List[int]]
+    gflops: float
+    images_per_s: float
+    speedup: float
+    ideal_speedup: float
+    achieved_over_ideal: float
+    peak_memory_mb: Optional[float]
+    mode: str
+    device: str
+    dtype: str
+    batch: int
+    img_size: List[int]
+    threads: int
+    compiled: bool
+    rounds: int
+
+
+def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
+                  stages: Sequence[Optional[Tuple[int, ...]]]) -> List[Setting]:
+    """The unpruned setting, then every indicator x keep rate x stages."""
+    grid = [Setting()]
+    for indicator, rate, where in itertools.product(indicators, keep_rates, stages):
+        grid.append(Setting(indicator, rate, where))
+    return grid
+
+
+def build_model(name: str, setting: Setting, device: str, seed: int = 0, **model_kwargs) -> torch.nn.Module:
+    """A timm model (random weights unless ``pretrained=True`` is passed), patched per ``setting``."""
+    torch.manual_seed(seed)
+    model = timm.create_model(name, **model_kwargs).to(device)
+    config = setting.config()
+    return model if config is None else patch(model, config)
+
+
+def make_step(model: torch.nn.Module, x: torch.Tensor, mode: str, dtype: torch.dtype,
+              compiled: bool = False) -> Callable[[], None]:
+    """One inference forward, or one training step (forward, backward, optimizer step)."""
+    device_type = x.device.type
+    autocast = functools.partial(torch.autocast, device_type, dtype=dtype, enabled=dtype != torch.float32)
+    runner = torch.compile(model) if compiled else model
+    if mode == "infer":
+        model.eval()
+
+        def step() -> None:
+            with torch.inference_mode(), autocast():
+                runner(x)
+        return step
+
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    labels = torch.randint(0, model.num_classes, (x.shape[0],), generator=torch.Generator().manual_seed(0))
+    labels = labels.to(x.device)
+
+    def train_step() -> None:
+        with autocast():
+            loss = F.cross_entropy(runner(x), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return train_step
+
+
+def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, warmup: int,
+                     sync: Callable[[], None], progress: bool = True) -> Dict[str, float]:
+    """Median seconds per step of each setting, the settings taking turns in rotating order."""
+    keys = list(steps)
+    times: Dict[str, List[float]] = {key: [] for key in keys}
+    with tqdm(total=(warmup + rounds) * len(keys), desc="bench", disable=not progress, file=sys.stderr) as bar:
+        for round_ in range(warmup + rounds):
+            shift = round_ % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                sync()
+                start = time.perf_counter()
+                steps[key]()
+                sync()
+                if round_ >= warmup:
+                    times[key].append(time.perf_counter() - start)
+                bar.update()
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def _cpu_step_builder(name: str, setting: Setting, model_kwargs: dict, batch: int, mode: str,
+                      dtype_name: str, threads: Optional[int]) -> Callable[[], None]:
+    """Runs in the memory child: the same model, input and step as the timed ones."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = build_model(name, setting, "cpu", **model_kwargs)
+    x = torch.randn(batch, 3, *input_size(model, model_kwargs.get("img_size")))
+    return make_step(model, x, mode, DTYPES[dtype_name])
+
+
+def run(args: argparse.Namespace) -> List[Row]:
+    """Build, time and measure every setting; rows in the order of :func:`settings_grid`."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    model_kwargs = {"pretrained": args.pretrained}
+    if args.img_size:
+        model_kwargs["img_size"] = args.img_size
+    stages = [None] if args.stages is None else [tuple(s) for s in args.stages]
+    grid = settings_grid(args.indicators, args.keep_rates, stages)
+
+    base = build_model(args.model, Setting(), args.device, **model_kwargs)
+    size = input_size(base, args.img_size)
+    x = torch.randn(args.batch, 3, *size, device=device)
+    models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}
+    flops = {label: count_flops(model, size) for label, model in models.items()}
+    steps = {label: make_step(model, x, args.mode, dtype, args.compile) for label, model in models.items()}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    seconds = time_interleaved(steps, args.rounds, args.warmup, sync, progress=not args.no_progress)
+
+    peaks: Dict[str, Optional[float]] = {label: None for label in models}
+    if not args.no_memory:
+        for setting in grid:
+            if device.type == "cuda":
+                peak = cuda_peak_bytes(steps[setting.label], device)
+            else:
+                peak = cpu_peak_bytes(functools.partial(
+                    _cpu_step_builder, args.model, setting, model_kwargs, args.batch, args.mode,
+                    args.dtype, args.threads))
+            peaks[setting.label] = peak / 2**20
+
+    base_s, base_f = seconds["unpruned"], flops["unpruned"]
+    rows = []
+    for setting in grid:
+        label = setting.label
+        speedup, ideal = base_s / seconds[label], base_f / flops[label]
+        rows.append(Row(
+            model=args.model, setting=label, indicator=setting.indicator, keep_rate=setting.keep_rate,
+            stages=None if setting.stages is None else list(setting.stages),
+            gflops=flops[label] / 1e9, images_per_s=args.batch / seconds[label], speedup=speedup,
+            ideal_speedup=ideal, achieved_over_ideal=speedup / ideal, peak_memory_mb=peaks[label],
+            mode=args.mode, device=str(device), dtype=args.dtype, batch=args.batch, img_size=list(size),
+            threads=torch.get_num_threads(), compiled=args.compile, rounds=args.rounds,
+        ))
+    return rows
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A fixed-width table of the rows, with a heading line describing the run."""
+    first = rows[0]
+    lines = [
+        f"{first.model}, {first.mode}, {first.device} {first.dtype}, batch {first.batch}, "
+        f"{first.img_size[0]}x{first.img_size[1]}, {first.threads} threads"
+        f"{', compiled' if first.compiled else ''}, median of {first.rounds} interleaved rounds",
+        f"{'setting':<24}{'GFLOPs':>8}{'img/s':>10}{'speedup':>9}{'ideal':>8}{'ach/ideal':>11}{'peak MiB':>10}",
+    ]
+    for r in rows:
+        memory = "-" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}"
+        lines.append(f"{r.setting:<24}{r.gflops:>8.3f}{r.images_per_s:>10.1f}{r.speedup:>8.3f}x"
+                     f"{r.ideal_speedup:>7.2f}x{r.achieved_over_ideal:>10.1%}{memory:>10}")
+    return "\n".join(lines)
+
+
+def write_rows(rows: Sequence[Row], path: str) -> None:
+    """JSON (a list of objects) or CSV, by the file's extension."""
+    records = [asdict(r) for r in rows]
+    with open(path, "w", newline="") as out:
+        if path.endswith(".csv"):
+            writer = csv.DictWriter(out, fieldnames=list(records[0]))
+            writer.writeheader()
+            writer.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in records)
+        else:
+            json.dump(records, out, indent=2)
+            out.write("\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _stages(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}")
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    """Register ``bench`` and its options on the ``vitprune`` command."""
+    parser = subparsers.add_parser("bench", help="FLOPs, throughput and memory: pruned vs unpruned",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=INDICATORS)
+    parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7])
+    parser.add_argument("--stages", nargs="+", type=_stages, default=None,
+                        help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: scaled (3,6,9))")
+    parser.add_argument("--batch", type=_positive_int, default=32)
+    parser.add_argument("--img-size", type=_positive_int, default=None, help="square input size")
+    parser.add_argument("--mode", choices=MODES, default="infer",
+                        help="infer: forward only; train: forward + backward + optimizer step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="bf16 runs under autocast")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--rounds", type=_positive_int, default=7, help="timed rounds; the median is reported")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--out", default=None, help="also write the rows to this .json or .csv file")
+    parser.set_defaults(run=main)
+    return parser
+
+
+def validate(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the options, or ``None``; checked before anything is built."""
+    if args.model not in timm.list_models() and not timm.is_model(args.model):
+        return f"unknown timm model {args.model!r}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available"
+    if args.out and not args.out.endswith((".json", ".csv")):
+        return f"--out must end in .json or .csv, got {args.out!r}"
+    if args.warmup < 0:
+        return f"--warmup must be >= 0, got {args.warmup}"
+    try:
+        for indicator, rate, where in itertools.product(args.indicators, args.keep_rates, args.stages or [None]):
+            PruneConfig(indicator=indicator, keep_rate=rate, stages=where)
+    except (TypeError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def main(args: argparse.Namespace) -> int:
+    problem = validate(args)
+    if problem is not None:
+        print(f"vitprune bench: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        rows = run(args)
+    except (TypeError, ValueError) as error:  # e.g. a model vitprune cannot patch, a stage out of range
+        print(f"vitprune bench: error: {error}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    if args.out:
+        write_rows(rows, args.out)
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,25 @@
+"""The ``vitprune`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+from . import bench
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vitprune", description="Patch pruning for timm Vision Transformers.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
