@@ -6,7 +6,7 @@
 >>> vitprune.unpatch(model)
 """
 
-from .budget import fit_keep_rate
+from .budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
 from .config import INDICATORS, PruneConfig, default_stages, keep_count
 from .flops import analytic_flops, count_flops
 from .patching import SUPPORTED_MODELS, get_config, is_patched, kept_positions, patch, unpatch
@@ -15,16 +15,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "INDICATORS",
+    "OverlapOption",
     "PruneConfig",
     "SUPPORTED_MODELS",
     "analytic_flops",
     "count_flops",
     "default_stages",
     "fit_keep_rate",
+    "fit_overlap",
     "get_config",
     "is_patched",
     "keep_count",
     "kept_positions",
+    "overlap_options",
     "patch",
     "unpatch",
 ]

@@ -41,18 +41,21 @@ class Setting:
     indicator: Optional[str] = None
     keep_rate: float = 1.0
     stages: Optional[Tuple[int, ...]] = None
+    overlap_stride: Optional[int] = None
 
     @property
     def label(self) -> str:
         if self.indicator is None:
             return "unpruned"
         where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
-        return f"{self.indicator} keep {self.keep_rate:g}{where}"
+        overlap = "" if self.overlap_stride is None else f" ov{self.overlap_stride}"
+        return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}"
 
     def config(self) -> Optional[PruneConfig]:
         if self.indicator is None:
             return None
-        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, stages=self.stages)
+        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, stages=self.stages,
+                           overlap_stride=self.overlap_stride)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Row:
     indicator: Optional[str]
     keep_rate: float
     stages: Optional[List[int]]
+    overlap_stride: Optional[int]
     gflops: float
     images_per_s: float
     speedup: float
@@ -81,11 +85,12 @@ class Row:
 
 
 def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
-                  stages: Sequence[Optional[Tuple[int, ...]]]) -> List[Setting]:
-    """The unpruned setting, then every indicator x keep rate x stages."""
+                  stages: Sequence[Optional[Tuple[int, ...]]],
+                  overlap_strides: Sequence[Optional[int]] = (None,)) -> List[Setting]:
+    """The unpruned setting, then every indicator x keep rate x stages x overlap stride."""
     grid = [Setting()]
-    for indicator, rate, where in itertools.product(indicators, keep_rates, stages):
-        grid.append(Setting(indicator, rate, where))
+    for combination in itertools.product(indicators, keep_rates, stages, overlap_strides):
+        grid.append(Setting(*combination))
     return grid
 
 
@@ -164,7 +169,7 @@ def run(args: argparse.Namespace) -> List[Row]:
     if args.img_size:
         model_kwargs["img_size"] = args.img_size
     stages = [None] if args.stages is None else [tuple(s) for s in args.stages]
-    grid = settings_grid(args.indicators, args.keep_rates, stages)
+    grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides])
 
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
     size = input_size(base, args.img_size)
@@ -194,6 +199,7 @@ def run(args: argparse.Namespace) -> List[Row]:
         rows.append(Row(
             model=args.model, setting=label, indicator=setting.indicator, keep_rate=setting.keep_rate,
             stages=None if setting.stages is None else list(setting.stages),
+            overlap_stride=setting.overlap_stride,
             gflops=flops[label] / 1e9, images_per_s=args.batch / seconds[label], speedup=speedup,
             ideal_speedup=ideal, achieved_over_ideal=speedup / ideal, peak_memory_mb=peaks[label],
             mode=args.mode, device=str(device), dtype=args.dtype, batch=args.batch, img_size=list(size),
@@ -209,11 +215,11 @@ def format_table(rows: Sequence[Row]) -> str:
         f"{first.model}, {first.mode}, {first.device} {first.dtype}, batch {first.batch}, "
         f"{first.img_size[0]}x{first.img_size[1]}, {first.threads} threads"
         f"{', compiled' if first.compiled else ''}, median of {first.rounds} interleaved rounds",
-        f"{'setting':<24}{'GFLOPs':>8}{'img/s':>10}{'speedup':>9}{'ideal':>8}{'ach/ideal':>11}{'peak MiB':>10}",
+        f"{'setting':<28}{'GFLOPs':>8}{'img/s':>10}{'speedup':>9}{'ideal':>8}{'ach/ideal':>11}{'peak MiB':>10}",
     ]
     for r in rows:
         memory = "-" if r.peak_memory_mb is None else f"{r.peak_memory_mb:.0f}"
-        lines.append(f"{r.setting:<24}{r.gflops:>8.3f}{r.images_per_s:>10.1f}{r.speedup:>8.3f}x"
+        lines.append(f"{r.setting:<28}{r.gflops:>8.3f}{r.images_per_s:>10.1f}{r.speedup:>8.3f}x"
                      f"{r.ideal_speedup:>7.2f}x{r.achieved_over_ideal:>10.1%}{memory:>10}")
     return "\n".join(lines)
 
@@ -255,6 +261,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7])
     parser.add_argument("--stages", nargs="+", type=_stages, default=None,
                         help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: scaled (3,6,9))")
+    parser.add_argument("--overlap-strides", nargs="+", type=_positive_int, default=[],
+                        help="also run every setting with these patch-embedding strides")
     parser.add_argument("--batch", type=_positive_int, default=32)
     parser.add_argument("--img-size", type=_positive_int, default=None, help="square input size")
     parser.add_argument("--mode", choices=MODES, default="infer",
@@ -283,8 +291,9 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     if args.warmup < 0:
         return f"--warmup must be >= 0, got {args.warmup}"
     try:
-        for indicator, rate, where in itertools.product(args.indicators, args.keep_rates, args.stages or [None]):
-            PruneConfig(indicator=indicator, keep_rate=rate, stages=where)
+        for combination in itertools.product(args.indicators, args.keep_rates, args.stages or [None],
+                                             [None, *args.overlap_strides]):
+            Setting(*combination).config()
     except (TypeError, ValueError) as error:
         return str(error)
     return None

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 from torch import nn
 
 from .config import PruneConfig
-from .flops import schedule_flops
+from .flops import num_patches, schedule_flops
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
+
+
+def _config(rate: float, stages: Optional[Sequence[int]], fuse: bool, stride: Optional[int]) -> PruneConfig:
+    return PruneConfig(keep_rate=rate, stages=None if stages is None else tuple(stages), fuse=fuse,
+                       overlap_stride=stride)
 
 
 def fit_keep_rate(
@@ -20,6 +25,7 @@ def fit_keep_rate(
         stages: Optional[Sequence[int]] = None,
         fuse: bool = True,
         img_size: Optional[Sequence[int]] = None,
+        overlap_stride: Optional[int] = None,
 ) -> float:
     """The largest keep rate (the same at every stage) whose analytic FLOPs fit the budget.
 
@@ -33,6 +39,8 @@ def fit_keep_rate(
         stages: The pruning blocks; the default scales the paper's (3, 6, 9) to the depth.
         fuse: Whether a fusion token is kept (it costs one token per stage).
         img_size: Input ``(H, W)``; the model's own size when ``None``.
+        overlap_stride: Count with this patch-embedding stride (see ``patch``); ``None``
+            uses the model's current one.
 
     Returns:
         A keep rate in (0, 1]; ``1.0`` when the unpruned model already fits.
@@ -45,8 +53,7 @@ def fit_keep_rate(
     target = target_gflops * 1e9
 
     def flops(rate: float) -> int:
-        config = PruneConfig(keep_rate=rate, stages=None if stages is None else tuple(stages), fuse=fuse)
-        return schedule_flops(model, config, img_size)
+        return schedule_flops(model, _config(rate, stages, fuse, overlap_stride), img_size)
 
     if flops(1.0) <= target:
         return 1.0
@@ -68,3 +75,76 @@ def fit_keep_rate(
         if 0 < rounded <= 1 and flops(rounded) == reached:
             return rounded
     return low
+
+
+class OverlapOption(NamedTuple):
+    """One way to spend a FLOP budget on overlapping patches: a stride and its keep rate."""
+
+    stride: int
+    keep_rate: float
+    gflops: float
+    tokens: int
+
+
+def overlap_options(
+        model: nn.Module,
+        target_gflops: Optional[float] = None,
+        *,
+        stages: Optional[Sequence[int]] = None,
+        fuse: bool = True,
+        img_size: Optional[Sequence[int]] = None,
+) -> List[OverlapOption]:
+    """For every stride from the patch size down, the keep rate that meets the budget.
+
+    Args:
+        target_gflops: The budget per image; the unpruned model's FLOPs when ``None``.
+        stages, fuse, img_size: As in :func:`fit_keep_rate`.
+
+    Returns:
+        One option per stride that some keep rate can fit, largest stride first;
+        ``tokens`` is the number of patch tokens the stride makes.
+    """
+    if target_gflops is None:
+        target_gflops = schedule_flops(model, None, img_size) / 1e9
+    options = []
+    for stride in range(min(model.patch_embed.patch_size), 0, -1):
+        try:
+            rate = fit_keep_rate(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size,
+                                 overlap_stride=stride)
+        except ValueError:
+            break  # smaller strides only cost more
+        config = _config(rate, stages, fuse, stride)
+        options.append(OverlapOption(stride, rate, schedule_flops(model, config, img_size) / 1e9,
+                                     num_patches(model, img_size, stride)))
+    return options
+
+
+def fit_overlap(
+        model: nn.Module,
+        target_gflops: Optional[float] = None,
+        *,
+        min_keep_rate: float = 0.5,
+        stages: Optional[Sequence[int]] = None,
+        fuse: bool = True,
+        img_size: Optional[Sequence[int]] = None,
+) -> OverlapOption:
+    """The most overlap (smallest stride) whose keep rate for the budget stays >= ``min_keep_rate``.
+
+    The paper's recipe spends the FLOPs pruning saves on overlap: by default the budget
+    is the unpruned model's FLOPs. Overlap adds information, pruning throws some away;
+    ``min_keep_rate`` bounds the second. Pass the result to ``patch`` as
+    ``overlap_stride=option.stride, keep_rate=option.keep_rate``.
+
+    Raises:
+        ValueError: ``min_keep_rate`` is outside (0, 1], or no stride reaches it.
+    """
+    if not 0 < min_keep_rate <= 1:
+        raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
+    options = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size)
+    fitting = [option for option in options if option.keep_rate >= min_keep_rate]
+    if not fitting:
+        raise ValueError(
+            f"no stride keeps at least {min_keep_rate} of the tokens within the budget; "
+            f"the options are {[(o.stride, o.keep_rate) for o in options]}"
+        )
+    return fitting[-1]

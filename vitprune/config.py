@@ -61,6 +61,8 @@ class PruneConfig:
         fuse: Merge the pruned tokens into one fusion token (True) or drop them (False).
         seed: Seed of the ``"random"`` indicator's generator; ``None`` draws from torch's
             global generator. Only allowed with ``indicator="random"``.
+        overlap_stride: Give the patch embedding this stride (at most the patch size), so
+            neighbouring patches overlap and there are more tokens; ``None`` leaves it.
     """
 
     indicator: Indicator = "var"
@@ -69,6 +71,7 @@ class PruneConfig:
     T: float = 1.0
     fuse: bool = True
     seed: Optional[int] = None
+    overlap_stride: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.indicator not in INDICATORS:
@@ -111,6 +114,12 @@ class PruneConfig:
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if self.indicator != "random":
                 raise ValueError(f"seed only applies to indicator='random', not {self.indicator!r}")
+        if self.overlap_stride is not None:
+            if isinstance(self.overlap_stride, bool) or not isinstance(self.overlap_stride, Integral):
+                raise TypeError(f"overlap_stride must be a positive int or None, got {self.overlap_stride!r}")
+            if self.overlap_stride < 1:
+                raise ValueError(f"overlap_stride must be a positive int, got {self.overlap_stride}")
+            object.__setattr__(self, "overlap_stride", int(self.overlap_stride))
 
     def resolve(self, depth: int) -> "PruneConfig":
         """This config for a model of ``depth`` blocks: explicit stages, one keep rate per stage.

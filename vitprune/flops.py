@@ -59,17 +59,20 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
     return tuple(int(s) for s in img_size)
 
 
-def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
+def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stride: Optional[int] = None) -> int:
     """Patch tokens the patch embedding makes from an ``img_size`` input.
 
     Follows the convolution (kernel, stride, padding), so overlapping embeddings count
-    right too; with ``dynamic_img_pad`` the input is first padded to a multiple of the stride.
+    right too; ``stride`` overrides the convolution's. With ``dynamic_img_pad`` the input
+    is first padded to a multiple of the patch size, as timm does.
     """
-    conv = model.patch_embed.proj
+    embed = model.patch_embed
+    conv = embed.proj
     sizes = input_size(model, img_size)
-    if getattr(model.patch_embed, "dynamic_img_pad", False):
-        sizes = tuple(math.ceil(s / st) * st for s, st in zip(sizes, conv.stride))
-    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, conv.padding, conv.kernel_size, conv.stride)]
+    if getattr(embed, "dynamic_img_pad", False):
+        sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, embed.patch_size))
+    strides = conv.stride if stride is None else (stride, stride)
+    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, conv.padding, conv.kernel_size, strides)]
     return grid[0] * grid[1]
 
 
@@ -84,10 +87,13 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
 
 
 def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Optional[Sequence[int]] = None) -> int:
-    """FLOPs of one image through ``model`` if it were patched with ``config`` (``None``: unpruned)."""
+    """FLOPs of one image through ``model`` if it were patched with ``config`` (``None``: unpruned).
+
+    ``config.overlap_stride``, when set, replaces the patch embedding's stride.
+    """
     conv = model.patch_embed.proj
     C = model.embed_dim
-    patches = num_patches(model, img_size)
+    patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
     depth = len(model.blocks)
     if config is not None:
         config = config.resolve(depth)

@@ -12,6 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION
 from .config import PruneConfig
+from .overlap import apply_overlap, check_overlap, remove_overlap
 from .state import PruneState
 
 #: Model classes ``patch`` accepts (exact type match).
@@ -111,7 +112,7 @@ def patch(
         config: A :class:`PruneConfig`; ``options`` override its fields.
         generator: Generator for ``indicator="random"`` (instead of ``seed``).
         **options: :class:`PruneConfig` fields: ``indicator``, ``keep_rate``, ``stages``,
-            ``T``, ``fuse``, ``seed``.
+            ``T``, ``fuse``, ``seed``, ``overlap_stride``.
 
     Returns:
         The same model object.
@@ -131,9 +132,13 @@ def patch(
     cfg = cfg.resolve(len(model.blocks))
     _check_blocks(model, cfg.stages)
     gen = _make_generator(cfg, generator)
+    if cfg.overlap_stride is not None:
+        check_overlap(model, cfg.overlap_stride)
 
     unpatch(model)
     state = PruneState(cfg, model.num_prefix_tokens, gen)
+    if cfg.overlap_stride is not None:
+        state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
     for number, index in enumerate(cfg.stages):
         block = model.blocks[index]
@@ -146,8 +151,12 @@ def patch(
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch` in place and return the model; a no-op on an unpatched model.
 
-    Restores every block's original class and deletes every attribute the patch added.
+    Restores every block's original class, the patch embedding and position embedding
+    (with ``overlap_stride``), and deletes every attribute the patch added.
     """
+    state = model.__dict__.get(MODEL_ATTR)
+    if state is not None and state.overlap is not None:
+        remove_overlap(model, state.overlap)
     for block in model.modules():
         original = _ORIGINAL_BLOCKS.get(type(block))
         if original is not None:

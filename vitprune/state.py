@@ -8,6 +8,7 @@ import torch
 
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
+from .overlap import OverlapRecord
 from .tokens import gather_tokens, prune_tokens
 
 
@@ -18,6 +19,7 @@ class PruneState:
         config: The resolved config (explicit stages, one keep rate per stage).
         num_prefix: Tokens at the front that are never pruned.
         generator: The ``"random"`` indicator's generator, or ``None``.
+        overlap: What the overlapping patch embedding replaced, or ``None``.
         positions: For the last forward, by stage number (0 for the first pruning block):
             ``(B, n)`` long tensor giving, for each non-prefix token after that stage, the
             index of the patch token it was when it entered the first block, or ``-1``
@@ -28,6 +30,7 @@ class PruneState:
         self.config = config
         self.num_prefix = num_prefix
         self.generator = generator
+        self.overlap: Optional[OverlapRecord] = None
         self.positions: Dict[int, torch.Tensor] = {}
 
     def scores(self, row: torch.Tensor) -> torch.Tensor:

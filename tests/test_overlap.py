@@ -1,0 +1,153 @@
+"""Overlapping patch embeddings: grid, position embeddings, exact undo, errors."""
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+import vitprune
+from vitprune.budget import fit_overlap, overlap_options
+from vitprune.flops import analytic_flops, count_flops
+from vitprune.overlap import overlapped_grid, resample_grid_embed
+from conftest import image_batch, make_model
+from test_patch_lifecycle import assert_same, snapshot
+
+
+def tokens_entering_first_block(model, x):
+    seen = []
+    hook = model.blocks[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    return seen[0]
+
+
+def test_deit_small_stride_12_gives_an_18_by_18_grid():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_small_patch16_224").eval()
+    vitprune.patch(model, keep_rate=0.6, overlap_stride=12)
+    assert tokens_entering_first_block(model, torch.randn(1, 3, 224, 224)) == 1 + 18 * 18
+    assert model.pos_embed.shape == (1, 1 + 324, 384)
+    assert overlapped_grid((224, 224), (16, 16), 12) == (18, 18)
+
+
+@pytest.mark.parametrize("name", ["deit_tiny", "deit3_small (LayerScale)", "deit_tiny_distilled (2 prefix)"])
+def test_stride_equal_to_the_patch_size_changes_nothing(name):
+    model = make_model(name)
+    x = image_batch(model)
+    with torch.no_grad():
+        vitprune.patch(model, keep_rate=0.7)
+        expected = model(x)
+        vitprune.patch(model, keep_rate=0.7, overlap_stride=16)
+        actual = model(x)
+    assert torch.equal(actual, expected)
+
+
+def test_resampling_is_torch_bicubic_and_keeps_prefix_entries():
+    pos = torch.randn(1, 2 + 4 * 5, 8)
+    out = resample_grid_embed(pos, 2, (4, 5), (7, 9))
+    grid = pos[:, 2:].reshape(1, 4, 5, 8).permute(0, 3, 1, 2)
+    expected = F.interpolate(grid, size=(7, 9), mode="bicubic", align_corners=False)
+    assert torch.equal(out[:, :2], pos[:, :2])
+    assert_close(out[:, 2:], expected.permute(0, 2, 3, 1).reshape(1, 63, 8))
+
+
+def test_resampling_an_unchanged_grid_is_the_identity():
+    pos = torch.randn(1, 1 + 9, 4)
+    assert torch.equal(resample_grid_embed(pos, 1, (3, 3), (3, 3)), pos)
+
+
+@pytest.mark.parametrize("name, prefix_in_embed", [("deit_tiny", 1), ("deit3_small (LayerScale)", 0)])
+def test_patched_position_embedding_is_the_resampled_original(name, prefix_in_embed):
+    model = make_model(name)
+    original = model.pos_embed.detach().clone()
+    old_grid = model.patch_embed.grid_size
+    vitprune.patch(model, keep_rate=0.6, overlap_stride=12)
+    new_grid = overlapped_grid(model.patch_embed.img_size, (16, 16), 12)
+    assert torch.equal(model.pos_embed.detach(), resample_grid_embed(original, prefix_in_embed, old_grid, new_grid))
+
+
+def test_unpatch_restores_every_parameter_and_attribute_exactly(tiny):
+    x = image_batch(tiny)
+    parameter = tiny.pos_embed
+    before = snapshot(tiny)
+    embed_state = (tiny.patch_embed.proj.stride, tiny.patch_embed.grid_size, tiny.patch_embed.num_patches)
+    with torch.no_grad():
+        expected = tiny(x)
+        vitprune.patch(tiny, keep_rate=0.6, overlap_stride=10)
+        tiny(x)
+        vitprune.unpatch(tiny)
+        actual = tiny(x)
+    assert tiny.pos_embed is parameter
+    assert (tiny.patch_embed.proj.stride, tiny.patch_embed.grid_size, tiny.patch_embed.num_patches) == embed_state
+    assert_same(before, snapshot(tiny))
+    assert torch.equal(actual, expected)
+
+
+def test_dtype_device_and_requires_grad_are_kept(tiny):
+    tiny.to(torch.bfloat16)
+    tiny.pos_embed.requires_grad_(False)
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    assert tiny.pos_embed.dtype == torch.bfloat16 and not tiny.pos_embed.requires_grad
+    assert tiny.pos_embed.device == tiny.cls_token.device
+
+
+def test_overlap_state_dict_round_trip(tiny):
+    x = image_batch(tiny)
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    state = tiny.state_dict()
+    other = vitprune.patch(make_model("deit_tiny", seed=3), keep_rate=0.6, overlap_stride=12)
+    other.load_state_dict(state)
+    with torch.no_grad():
+        assert torch.equal(other(x), tiny(x))
+
+
+def test_dynamic_img_size_with_overlap():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", dynamic_img_size=True).eval()
+    vitprune.patch(model, keep_rate=1.0, overlap_stride=12)
+    # (160 - 16) // 12 + 1 = 13 rows, (96 - 16) // 12 + 1 = 7 columns
+    assert tokens_entering_first_block(model, torch.randn(1, 3, 160, 96)) == 1 + 13 * 7
+
+
+def test_flop_counts_see_the_new_token_count(tiny):
+    unpruned = analytic_flops(tiny)
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    traced, analytic = count_flops(tiny), analytic_flops(tiny)
+    assert abs(traced - analytic) / analytic < 0.02
+    assert analytic > 0.9 * unpruned  # 324 tokens at keep 0.6 cost about what 196 do
+
+
+@pytest.mark.parametrize("stride, error, match", [
+    (0, ValueError, "positive int"),
+    (-4, ValueError, "positive int"),
+    (17, ValueError, r"overlap_stride must be in \[1, 16\]"),
+    (12.0, TypeError, "positive int or None"),
+    ("12", TypeError, "positive int or None"),
+    (True, TypeError, "positive int or None"),
+])
+def test_bad_strides_raise_and_leave_the_model_untouched(tiny, stride, error, match):
+    before = snapshot(tiny)
+    with pytest.raises(error, match=match):
+        vitprune.patch(tiny, keep_rate=0.6, overlap_stride=stride)
+    assert_same(before, snapshot(tiny))
+    assert not vitprune.is_patched(tiny)
+
+
+def test_a_hybrid_cnn_stem_cannot_overlap():
+    model = timm.create_model("vit_tiny_r_s16_p8_224")
+    with pytest.raises(TypeError, match="PatchEmbed"):
+        vitprune.patch(model, keep_rate=0.6, overlap_stride=4)
+
+
+def test_fit_overlap_matches_the_unpruned_budget(tiny):
+    budget = analytic_flops(tiny) / 1e9
+    option = fit_overlap(tiny, min_keep_rate=0.6)
+    assert option.keep_rate >= 0.6 and option.gflops <= budget
+    smaller = [o for o in overlap_options(tiny) if o.stride < option.stride]
+    assert all(o.keep_rate < 0.6 for o in smaller)
+    vitprune.patch(tiny, keep_rate=option.keep_rate, overlap_stride=option.stride)
+    assert analytic_flops(tiny) / 1e9 == pytest.approx(option.gflops)
+    with pytest.raises(ValueError, match="no stride keeps at least 0.99"):
+        fit_overlap(tiny, 0.5, min_keep_rate=0.99)

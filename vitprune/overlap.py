@@ -1,0 +1,107 @@
+"""Overlapping patch embeddings (METHOD.md §5): the same kernel, a smaller stride.
+
+The patch-embedding convolution keeps its weights and kernel (the patch size) and
+takes stride ``s``, so the grid grows to ``floor((L - p) / s) + 1`` per side. The
+absolute position embeddings are resampled to the new grid by bicubic interpolation
+(prefix-token entries unchanged). Everything changed is recorded so it can be put back
+exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed
+from torch import nn
+
+
+def overlapped_grid(img_size: Tuple[int, int], patch_size: Tuple[int, int], stride: int) -> Tuple[int, int]:
+    """Grid of a stride-``stride`` convolution with kernel ``patch_size``: ``(L - p) // s + 1`` per side."""
+    return tuple((size - p) // stride + 1 for size, p in zip(img_size, patch_size))
+
+
+def resample_grid_embed(pos_embed: torch.Tensor, num_prefix: int, old_grid: Tuple[int, int],
+                        new_grid: Tuple[int, int]) -> torch.Tensor:
+    """Bicubically resample the grid part of ``(1, num_prefix + H * W, C)`` position embeddings.
+
+    The first ``num_prefix`` entries are kept as they are. Interpolation runs in float32
+    (``align_corners=False``, no antialiasing) and the result has the input's dtype; an
+    unchanged grid returns the input's values unchanged.
+    """
+    if tuple(old_grid) == tuple(new_grid):
+        return pos_embed.clone()
+    prefix, grid = pos_embed[:, :num_prefix], pos_embed[:, num_prefix:]
+    C = grid.shape[-1]
+    image = grid.reshape(1, *old_grid, C).permute(0, 3, 1, 2).float()
+    image = F.interpolate(image, size=tuple(new_grid), mode="bicubic", align_corners=False)
+    grid = image.permute(0, 2, 3, 1).reshape(1, -1, C).to(pos_embed.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+@dataclass
+class OverlapRecord:
+    """What :func:`apply_overlap` changed, to put back exactly."""
+
+    stride: Tuple[int, int]
+    grid_size: Tuple[int, int]
+    num_patches: int
+    pos_embed: "torch.Tensor | None"
+
+
+def check_overlap(model: nn.Module, stride: int) -> None:
+    """Raise unless ``model``'s patch embedding can take ``stride`` (before anything changes)."""
+    embed = getattr(model, "patch_embed", None)
+    if not isinstance(embed, PatchEmbed) or not isinstance(getattr(embed, "proj", None), nn.Conv2d):
+        raise TypeError(
+            f"overlap_stride needs timm's PatchEmbed with a Conv2d projection; this model has "
+            f"{type(embed).__name__} (hybrid CNN stems cannot overlap)"
+        )
+    if tuple(embed.proj.stride) != tuple(embed.patch_size):
+        raise TypeError(f"the patch embedding already has stride {tuple(embed.proj.stride)} "
+                        f"for patch size {tuple(embed.patch_size)}")
+    if stride > min(embed.patch_size):
+        raise ValueError(
+            f"overlap_stride must be in [1, {min(embed.patch_size)}] (at most the patch size "
+            f"{tuple(embed.patch_size)}), got {stride}"
+        )
+
+
+def _grid_prefix(model: nn.Module) -> int:
+    """Position-embedding entries before the grid: prefix tokens, unless they have none."""
+    return 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+
+
+@torch.no_grad()
+def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
+    """Give the patch embedding stride ``stride`` and resample the position embeddings, in place.
+
+    The position embedding stays the same ``nn.Parameter`` object (its data is replaced),
+    so its device, dtype and ``requires_grad`` are kept; its shape changes.
+    """
+    embed = model.patch_embed
+    pos_embed = getattr(model, "pos_embed", None)
+    record = OverlapRecord(
+        stride=tuple(embed.proj.stride), grid_size=tuple(embed.grid_size), num_patches=embed.num_patches,
+        pos_embed=None if pos_embed is None else pos_embed.data,
+    )
+    new_grid = overlapped_grid(embed.img_size, embed.patch_size, stride)
+    if pos_embed is not None:
+        pos_embed.data = resample_grid_embed(pos_embed.data, _grid_prefix(model), embed.grid_size, new_grid)
+    embed.proj.stride = (stride, stride)
+    embed.grid_size = new_grid
+    embed.num_patches = new_grid[0] * new_grid[1]
+    return record
+
+
+@torch.no_grad()
+def remove_overlap(model: nn.Module, record: OverlapRecord) -> None:
+    """Undo :func:`apply_overlap` exactly, from its record."""
+    embed = model.patch_embed
+    embed.proj.stride = record.stride
+    embed.grid_size = record.grid_size
+    embed.num_patches = record.num_patches
+    if record.pos_embed is not None:
+        model.pos_embed.data = record.pos_embed
