@@ -10,6 +10,7 @@ from .budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
 from .config import INDICATORS, PruneConfig, default_stages, keep_count
 from .flops import analytic_flops, count_flops
 from .patching import SUPPORTED_MODELS, get_config, is_patched, kept_positions, patch, unpatch
+from .visualize import kept_masks, visualize
 
 __version__ = "0.1.0"
 
@@ -26,8 +27,10 @@ __all__ = [
     "get_config",
     "is_patched",
     "keep_count",
+    "kept_masks",
     "kept_positions",
     "overlap_options",
     "patch",
     "unpatch",
+    "visualize",
 ]

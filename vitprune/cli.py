@@ -6,13 +6,14 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-from . import bench
+from . import bench, show
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitprune", description="Patch pruning for timm Vision Transformers.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench.add_parser(subparsers)
+    show.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,111 @@
+"""Kept-patch pictures: the drawn masks agree exactly with the recorded kept positions."""
+
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import vitprune
+from vitprune.visualize import draw_panels, kept_masks, patch_footprints, visualize
+
+
+def small_model(**options):
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4).eval()
+    return vitprune.patch(model, stages=(1, 3), **options)
+
+
+def test_footprints_tile_the_image_without_overlap_and_overlap_with_a_smaller_stride():
+    model = small_model(keep_rate=0.5)
+    plain = patch_footprints(model, (64, 64))
+    assert plain.shape == (16, 64, 64)
+    assert (plain.sum(0) == 1).all()  # every pixel in exactly one patch
+    assert plain[5, 16:32, 16:32].all() and plain[5].sum() == 256  # row 1, column 1
+    overlapped = patch_footprints(small_model(keep_rate=0.5, overlap_stride=12), (64, 64))
+    assert overlapped.shape == (25, 64, 64)  # (64 - 16) // 12 + 1 = 5 per side
+    assert overlapped[1, 0:16, 12:28].all() and overlapped[1].sum() == 256
+    assert (overlapped.sum(0) > 1).any()
+
+
+@pytest.mark.parametrize("keep_rate", [0.3, 0.6, 0.9])
+@pytest.mark.parametrize("overlap_stride", [None, 12])
+def test_masks_agree_exactly_with_kept_positions(keep_rate, overlap_stride):
+    model = small_model(keep_rate=keep_rate, overlap_stride=overlap_stride)
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        model(x)
+    positions = vitprune.kept_positions(model)
+    masks = kept_masks(model, (64, 64))
+    footprints = patch_footprints(model, (64, 64))
+    assert masks.shape == (3, len(positions), 64, 64)
+    for s, stage in enumerate(positions):
+        for b in range(3):
+            expected = torch.zeros(64, 64, dtype=torch.bool)
+            for p in stage[b].tolist():
+                if p >= 0:
+                    expected |= footprints[p]
+            assert torch.equal(masks[b, s], expected)
+
+
+def test_drawn_panels_keep_kept_pixels_and_dim_pruned_ones():
+    model = small_model(keep_rate=0.4)
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        model(x)
+    masks = kept_masks(model, (64, 64))
+    panels = draw_panels(x, masks, dim=0.25)
+    assert panels.shape == (2, 1 + 2, 64, 64, 3)
+    rgb = x.permute(0, 2, 3, 1)
+    assert torch.equal(panels[:, 0], rgb)
+    for s in range(2):
+        kept = masks[:, s]
+        assert torch.equal(panels[:, s + 1][kept], rgb[kept])
+        assert not torch.isclose(panels[:, s + 1][~kept], rgb[~kept]).all()
+
+
+def test_visualize_returns_a_figure_with_a_row_per_image(tmp_path):
+    model = small_model(keep_rate=0.5)
+    figure = visualize(model, torch.randn(2, 3, 64, 64), titles=["a", "b"])
+    assert len(figure.axes) == 2 * 3
+    assert figure.axes[1].get_title() == "after block 1: 8 kept"
+    figure.savefig(tmp_path / "grid.png")
+    assert Image.open(tmp_path / "grid.png").size[0] > Image.open(tmp_path / "grid.png").size[1]
+
+
+def test_masks_need_a_forward_first():
+    with pytest.raises(ValueError, match="run a forward pass"):
+        kept_masks(small_model(keep_rate=0.5), (64, 64))
+
+
+def run_show(*args):
+    return subprocess.run([sys.executable, "-m", "vitprune", "show", *args], capture_output=True, text=True)
+
+
+def test_show_writes_a_readable_png(tmp_path):
+    image = tmp_path / "photo.png"
+    Image.fromarray(torch.randint(0, 255, (40, 50, 3), dtype=torch.uint8).numpy()).save(image)
+    out = tmp_path / "kept.png"
+    result = run_show(str(image), "--model", "deit_tiny_patch16_224", "--keep-rate", "0.5", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    with Image.open(out) as picture:
+        assert picture.format == "PNG" and picture.size[0] > 400
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda d: [str(d / "missing.png")], "no such file"),
+    (lambda d: [str(d / "notes.txt")], "cannot read"),
+    (lambda d: [str(d / "photo.png"), "--model", "no_such_vit"], "unknown timm model"),
+    (lambda d: [str(d / "photo.png"), "--keep-rate", "2"], "keep_rate must be in (0, 1]"),
+    (lambda d: [str(d / "photo.png"), "--out", str(d / "kept.jpg")], "must be a .png"),
+    (lambda d: [str(d / "photo.png"), "--checkpoint", str(d / "none.pt")], "no such checkpoint"),
+    (lambda d: [str(d / "photo.png"), "--checkpoint", str(d / "notes.txt")], "cannot load checkpoint"),
+])
+def test_show_bad_input_exits_non_zero_with_a_message(tmp_path, make_args, message):
+    Image.new("RGB", (32, 32)).save(tmp_path / "photo.png")
+    (tmp_path / "notes.txt").write_text("not an image")
+    result = run_show(*make_args(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -1,0 +1,101 @@
+"""``vitprune show IMAGE``: draw which patches a pruned model keeps in one image."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Tuple
+
+import timm
+import torch
+
+from .config import INDICATORS
+from .patching import patch
+
+
+def _load_picture(path: str):
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    try:
+        picture = Image.open(path)
+        picture.load()
+    except (UnidentifiedImageError, OSError) as error:
+        raise ValueError(f"cannot read {path} as an image ({error})") from None
+    return picture
+
+
+def prepare_timm(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The model's own preprocessing (timm's data config): ``(input, display in [0, 1])``."""
+    config = timm.data.resolve_data_config({}, model=model)
+    x = timm.data.create_transform(**config)(picture.convert("RGB")).unsqueeze(0)
+    mean = torch.tensor(config["mean"]).view(1, -1, 1, 1)
+    std = torch.tensor(config["std"]).view(1, -1, 1, 1)
+    return x, (x * std + mean).clamp(0, 1)
+
+
+def prepare_greyscale(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Preprocessing of vitprune's own small models: greyscale, resized, normalised like Fashion-MNIST."""
+    from .datasets import MEAN, STD
+
+    size = tuple(int(s) for s in model.patch_embed.img_size)
+    grey = picture.convert("L").resize((size[1], size[0]))
+    display = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).view(1, 1, *size).float() / 255
+    return (display - MEAN) / STD, display
+
+
+def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool):
+    """``(model, prepare)``: a timm model by name, or a checkpoint of vitprune's own models."""
+    if checkpoint is not None:
+        from .demo_models import load_checkpoint
+
+        if not Path(checkpoint).is_file():
+            raise FileNotFoundError(f"no such checkpoint: {checkpoint}")
+        try:
+            model, _ = load_checkpoint(Path(checkpoint))
+        except Exception as error:  # a corrupt or foreign file: say which, not a traceback
+            raise ValueError(f"cannot load checkpoint {checkpoint}: {error}") from None
+        return model, prepare_greyscale
+    if not timm.is_model(name):
+        raise ValueError(f"unknown timm model {name!r}")
+    return timm.create_model(name, pretrained=pretrained).eval(), prepare_timm
+
+
+def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("show", help="draw the patches a pruned model keeps in an image",
+                                   description=__doc__)
+    parser.add_argument("image", help="an image file (PNG, JPEG, ...)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
+    source.add_argument("--checkpoint", default=None, help="a checkpoint of vitprune's own small ViTs")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--indicator", choices=INDICATORS, default="var")
+    parser.add_argument("--keep-rate", type=float, default=0.7)
+    parser.add_argument("--stages", type=lambda t: tuple(int(s) for s in t.split(",")), default=None,
+                        help="comma-separated block indices, e.g. 3,6,9")
+    parser.add_argument("--overlap-stride", type=int, default=None)
+    parser.add_argument("--out", default="kept.png", help="where to write the PNG")
+    parser.set_defaults(run=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from .visualize import visualize
+
+    try:
+        if not args.out.lower().endswith(".png"):
+            raise ValueError(f"--out must be a .png file, got {args.out!r}")
+        picture = _load_picture(args.image)
+        model, prepare = load_model(args.model, args.checkpoint, args.pretrained)
+        patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
+              overlap_stride=args.overlap_stride)
+        x, display = prepare(model, picture)
+        figure = visualize(model, x, display)
+        figure.savefig(args.out, dpi=100)
+    except (FileNotFoundError, ValueError, TypeError) as error:
+        print(f"vitprune show: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0

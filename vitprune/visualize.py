@@ -1,0 +1,136 @@
+"""Pictures of what a pruned model keeps: pruned patches dimmed, kept ones clear, per stage."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .patching import get_config, kept_positions
+
+
+def patch_footprints(model: nn.Module, img_size: Tuple[int, int]) -> torch.Tensor:
+    """``(N, H, W)`` bool: the input pixels each patch token's convolution reads.
+
+    Follows the patch embedding's kernel, stride and padding, so overlapping patches
+    (``overlap_stride``) have overlapping footprints. Patches are in timm's row-major order.
+    """
+    conv = model.patch_embed.proj
+    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv.padding
+    H, W = img_size
+    rows, cols = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+    masks = torch.zeros(rows * cols, H, W, dtype=torch.bool)
+    for r in range(rows):
+        for c in range(cols):
+            top, left = r * sh - ph, c * sw - pw
+            masks[r * cols + c, max(top, 0):top + kh, max(left, 0):left + kw] = True
+    return masks
+
+
+def kept_masks(model: nn.Module, img_size: Tuple[int, int],
+               positions: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+    """``(B, S, H, W)`` bool: the pixels covered by a patch still kept after each stage.
+
+    Args:
+        model: A patched model that has run a forward on ``img_size`` inputs.
+        img_size: ``(H, W)`` of those inputs.
+        positions: :func:`vitprune.kept_positions` output; read from the model when ``None``.
+    """
+    positions = kept_positions(model) if positions is None else list(positions)
+    if not positions:
+        raise ValueError("no pruning has been recorded: run a forward pass of the patched model first")
+    footprints = patch_footprints(model, img_size).float()  # (N, H, W)
+    n = footprints.shape[0]
+    stages = []
+    for stage in positions:
+        stage = stage.detach().cpu()
+        if int(stage.max()) >= n:
+            raise ValueError(f"kept positions reach patch {int(stage.max())} but a {img_size} input has {n} patches")
+        chosen = torch.zeros(stage.shape[0], n)
+        chosen.scatter_add_(1, stage.clamp_min(0), (stage >= 0).float())  # -1 (fusion) adds 0
+        stages.append(torch.einsum("bn,nhw->bhw", chosen, footprints) > 0)
+    return torch.stack(stages, dim=1)
+
+
+def draw_panels(images: torch.Tensor, masks: torch.Tensor, dim: float = 0.25) -> torch.Tensor:
+    """``(B, 1 + S, H, W, 3)`` float RGB in [0, 1]: the image, then one panel per stage.
+
+    Pixels outside the kept footprint are scaled by ``dim`` and tinted blue-grey.
+
+    Args:
+        images: ``(B, C, H, W)`` with values in [0, 1]; 1 or 3 channels.
+        masks: ``(B, S, H, W)`` bool from :func:`kept_masks`.
+    """
+    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images[:, :3]
+    rgb = rgb.permute(0, 2, 3, 1).float().clamp(0, 1)  # (B, H, W, 3)
+    tint = torch.tensor([0.15, 0.18, 0.3])
+    pruned = rgb * dim + tint * (1 - dim) * 0.5
+    panels = [rgb] + [torch.where(masks[:, s, :, :, None], rgb, pruned) for s in range(masks.shape[1])]
+    return torch.stack(panels, dim=1)
+
+
+def to_display(images: torch.Tensor) -> torch.Tensor:
+    """Each image min-max scaled to [0, 1], for showing a normalised model input."""
+    flat = images.flatten(1)
+    low, high = flat.min(dim=1).values, flat.max(dim=1).values
+    scale = (high - low).clamp_min(1e-12)
+    return (images - low.view(-1, 1, 1, 1)) / scale.view(-1, 1, 1, 1)
+
+
+def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Tensor] = None, *,
+              titles: Optional[List[str]] = None, dim: float = 0.25, panel_inches: float = 2.2):
+    """Run ``images`` through a patched model and draw what each stage keeps.
+
+    Args:
+        model: A model patched with :func:`vitprune.patch`.
+        images: ``(C, H, W)`` or ``(B, C, H, W)`` model inputs (already preprocessed).
+        display: The same images in [0, 1] for drawing (e.g. before normalisation);
+            the inputs min-max scaled when ``None``.
+        titles: One label per image (e.g. the predicted class), shown on the left.
+        dim: Brightness of pruned pixels relative to kept ones.
+        panel_inches: Size of one panel in the figure.
+
+    Returns:
+        A ``matplotlib.figure.Figure``: one row per image, one column for the input and one
+        per stage ("after block b: k kept").
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    config = get_config(model)
+    if images.dim() == 3:
+        images = images.unsqueeze(0)
+    display = to_display(images) if display is None else (display.unsqueeze(0) if display.dim() == 3 else display)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        model(images)
+    model.train(was_training)
+    positions = kept_positions(model)
+    masks = kept_masks(model, tuple(images.shape[-2:]), positions)
+    panels = draw_panels(display.cpu(), masks, dim)
+
+    B, columns = panels.shape[:2]
+    figure, axes = plt.subplots(B, columns, figsize=(panel_inches * columns, panel_inches * B), squeeze=False)
+    total = patch_footprints(model, tuple(images.shape[-2:])).shape[0]
+    for b in range(B):
+        for c in range(columns):
+            axis = axes[b][c]
+            axis.imshow(panels[b, c].numpy(), interpolation="nearest")
+            axis.set_xticks([])
+            axis.set_yticks([])
+            if b == 0:
+                if c == 0:
+                    axis.set_title(f"input ({total} patches)", fontsize=9)
+                else:
+                    kept = int((positions[c - 1][0] >= 0).sum())
+                    axis.set_title(f"after block {config.stages[c - 1]}: {kept} kept", fontsize=9)
+        if titles is not None:
+            axes[b][0].set_ylabel(titles[b], fontsize=9)
+    figure.suptitle(f"{config.indicator}, keep {config.keep_rate[0]:g}"
+                    + (f", stride {config.overlap_stride}" if config.overlap_stride else ""), fontsize=10)
+    figure.tight_layout()
+    return figure
