@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from vitprune import datasets, demo_models
+from vitprune.evaluation import accuracy as evaluate
 
 
 def augment(images: torch.Tensor, generator: torch.Generator, shift: int) -> torch.Tensor:
@@ -33,21 +34,38 @@ def augment(images: torch.Tensor, generator: torch.Generator, shift: int) -> tor
     return out
 
 
-@torch.inference_mode()
-def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int = 1000) -> float:
-    model.eval()
-    correct = 0
-    for start in range(0, len(images), batch):
-        logits = model(datasets.to_input(images[start:start + batch]))
-        correct += (logits.argmax(-1) == labels[start:start + batch]).sum().item()
-    return correct / len(images)
-
-
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return peak * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, dataset: str, *, steps: int,
+          batch: int, lr: float, warmup: int, seed: int, desc: str = "train") -> None:
+    """AdamW (weight decay 0.05 on matrices only), linear warm-up then cosine decay, label
+    smoothing 0.1, random shifts and flips; batches drawn without replacement, per epoch."""
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "token" in n or "pos_embed" in n]
+    decay = [p for n, p in model.named_parameters() if not (p.ndim < 2 or "token" in n or "pos_embed" in n)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    shift = 2 if dataset == "fashion_mnist" else 4
+    order = torch.randperm(len(images), generator=generator)
+    cursor = 0
+    model.train()
+    for step in tqdm(range(steps), desc=desc, file=sys.stderr):
+        if cursor + batch > len(order):
+            order, cursor = torch.randperm(len(images), generator=generator), 0
+        index = order[cursor:cursor + batch]
+        cursor += batch
+        x = augment(datasets.to_input(images[index]), generator, shift)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, steps, lr, warmup)
+        loss = F.cross_entropy(model(x), labels[index], label_smoothing=0.1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
 
 
 def main() -> None:
@@ -65,28 +83,9 @@ def main() -> None:
     train_images, train_labels = datasets.load(args.dataset, "train")
     test_images, test_labels = datasets.load(args.dataset, "test")
     model = demo_models.build(args.dataset)
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "token" in n or "pos_embed" in n]
-    decay = [p for n, p in model.named_parameters() if not (p.ndim < 2 or "token" in n or "pos_embed" in n)]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr)
-    generator = torch.Generator().manual_seed(args.seed)
-    shift = 2 if args.dataset == "fashion_mnist" else 4
-    order = torch.randperm(len(train_images), generator=generator)
-    cursor = 0
     start = time.time()
-    model.train()
-    for step in tqdm(range(args.steps), desc=f"train {args.dataset} seed {args.seed}", file=sys.stderr):
-        if cursor + args.batch > len(order):
-            order, cursor = torch.randperm(len(train_images), generator=generator), 0
-        index = order[cursor:cursor + args.batch]
-        cursor += args.batch
-        x = augment(datasets.to_input(train_images[index]), generator, shift)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        loss = F.cross_entropy(model(x), train_labels[index], label_smoothing=0.1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    train(model, train_images, train_labels, args.dataset, steps=args.steps, batch=args.batch, lr=args.lr,
+          warmup=args.warmup, seed=args.seed, desc=f"train {args.dataset} seed {args.seed}")
     seconds = time.time() - start
     accuracy = evaluate(model, test_images, test_labels)
     print(f"{args.dataset} seed {args.seed}: test accuracy {accuracy:.4f} after {args.steps} steps, {seconds / 60:.1f} min")
@@ -94,7 +93,7 @@ def main() -> None:
         "dataset": args.dataset, "model_args": demo_models.MODEL_ARGS[args.dataset], "seed": args.seed,
         "steps": args.steps, "batch": args.batch, "lr": args.lr, "test_accuracy": accuracy,
         "train_seconds": seconds, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "torch": torch.__version__, "state_dict": model.state_dict(),
+        "torch": str(torch.__version__), "state_dict": model.state_dict(),
     }, args.out)
 
 

@@ -49,8 +49,16 @@ def test_bench_training_step_with_memory_and_csv(tmp_path):
     (["--batch", "0"], "positive integer"),
     (["--model", "vit_base_patch16_gap_224"], "vitprune needs a class token"),
 ])
-def test_bad_options_exit_non_zero_with_a_message(options, message):
-    result = subprocess.run([sys.executable, "-m", "vitprune", "bench", *TINY, "--no-memory", *options],
+def test_bad_options_exit_non_zero_with_a_message(options, message, capsys):
+    try:
+        code = main(["bench", *TINY, "--no-memory", *options])
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_console_entry_reports_errors_with_exit_status_2():
+    result = subprocess.run([sys.executable, "-m", "vitprune", "bench", "--model", "no_such_model"],
                             capture_output=True, text=True)
-    assert result.returncode == 2
-    assert message in result.stderr
+    assert result.returncode == 2 and "unknown timm model" in result.stderr

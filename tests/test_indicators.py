@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vitprune.indicators import head_mean, head_medad, head_variance, median, uniform_random
+from vitprune.indicators import head_agreement, head_mean, head_medad, head_variance, median, uniform_random
 
 # One image, the class token's attention over 3 patches, for 2 heads: (B=1, H=2, N=3).
 TWO_HEADS = torch.tensor([[[0.2, 0.5, 0.3],
@@ -51,6 +51,10 @@ def test_median_matches_the_textbook_definition(count):
     values = torch.randperm(count).float().reshape(1, count, 1)
     expected = (count - 1) / 2  # the median of 0, 1, ..., count - 1
     assert median(values, dim=1).item() == expected
+
+
+def test_lowvar_ranks_agreement_first():
+    assert_close(head_agreement(TWO_HEADS), torch.tensor([[-0.01, -0.04, -0.01]]))
 
 
 def test_cls_is_the_mean_over_heads():

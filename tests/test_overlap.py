@@ -85,6 +85,18 @@ def test_unpatch_restores_every_parameter_and_attribute_exactly(tiny):
     assert torch.equal(actual, expected)
 
 
+def test_patching_an_overlapped_model_again_replaces_the_overlap(tiny):
+    original = tiny.pos_embed.detach().clone()
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=8)
+    assert tiny.patch_embed.proj.stride == (8, 8) and tiny.patch_embed.grid_size == (27, 27)
+    vitprune.patch(tiny, keep_rate=0.6)
+    assert tiny.patch_embed.proj.stride == (16, 16) and torch.equal(tiny.pos_embed.detach(), original)
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    vitprune.unpatch(tiny)
+    assert tiny.patch_embed.grid_size == (14, 14) and torch.equal(tiny.pos_embed.detach(), original)
+
+
 def test_dtype_device_and_requires_grad_are_kept(tiny):
     tiny.to(torch.bfloat16)
     tiny.pos_embed.requires_grad_(False)

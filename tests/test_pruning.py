@@ -68,7 +68,9 @@ def reference_scores(model, x, block_index, score):
         return score(full[:, :, 0, model.num_prefix_tokens:])
 
 
-@pytest.mark.parametrize("indicator, score", [("var", head_variance), ("medad", head_medad)])
+@pytest.mark.parametrize("indicator, score", [
+    ("var", head_variance), ("medad", head_medad), ("lowvar", lambda a: -head_variance(a)),
+])
 def test_first_stage_keeps_the_top_scoring_patches(tiny, indicator, score):
     x = image_batch(tiny, batch=3)
     expected = reference_scores(tiny, x, 4, score).topk(math.ceil(0.6 * 196), dim=1).indices

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 import vitprune
+from vitprune.cli import main
 from vitprune.visualize import draw_panels, kept_masks, patch_footprints, visualize
 
 
@@ -80,15 +81,13 @@ def test_masks_need_a_forward_first():
         kept_masks(small_model(keep_rate=0.5), (64, 64))
 
 
-def run_show(*args):
-    return subprocess.run([sys.executable, "-m", "vitprune", "show", *args], capture_output=True, text=True)
-
-
 def test_show_writes_a_readable_png(tmp_path):
+    # the real console entry, in a fresh process
     image = tmp_path / "photo.png"
     Image.fromarray(torch.randint(0, 255, (40, 50, 3), dtype=torch.uint8).numpy()).save(image)
     out = tmp_path / "kept.png"
-    result = run_show(str(image), "--model", "deit_tiny_patch16_224", "--keep-rate", "0.5", "--out", str(out))
+    result = subprocess.run([sys.executable, "-m", "vitprune", "show", str(image), "--model", "deit_tiny_patch16_224",
+                             "--keep-rate", "0.5", "--out", str(out)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     with Image.open(out) as picture:
         assert picture.format == "PNG" and picture.size[0] > 400
@@ -103,9 +102,8 @@ def test_show_writes_a_readable_png(tmp_path):
     (lambda d: [str(d / "photo.png"), "--checkpoint", str(d / "none.pt")], "no such checkpoint"),
     (lambda d: [str(d / "photo.png"), "--checkpoint", str(d / "notes.txt")], "cannot load checkpoint"),
 ])
-def test_show_bad_input_exits_non_zero_with_a_message(tmp_path, make_args, message):
+def test_show_bad_input_exits_non_zero_with_a_message(tmp_path, make_args, message, capsys):
     Image.new("RGB", (32, 32)).save(tmp_path / "photo.png")
     (tmp_path / "notes.txt").write_text("not an image")
-    result = run_show(*make_args(tmp_path))
-    assert result.returncode == 2
-    assert message in result.stderr
+    assert main(["show", *make_args(tmp_path)]) == 2
+    assert message in capsys.readouterr().err

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Literal, Optional, Tuple, Union, get_args
 
-Indicator = Literal["var", "medad", "cls", "random"]
+Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
 
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
@@ -49,7 +49,9 @@ class PruneConfig:
     Args:
         indicator: The per-patch importance score: ``"var"`` (variance of the class token's
             attention across heads), ``"medad"`` (median absolute deviation across heads),
-            ``"cls"`` (mean attention across heads, EViT's score) or ``"random"`` (ablation).
+            ``"cls"`` (mean attention across heads, EViT's score), ``"random"`` (ablation) or
+            ``"lowvar"`` (minus the variance: keeps the patches the heads agree on, the
+            referee's falsifier; if it does as well as ``"var"``, diversity is not what helps).
         keep_rate: Fraction of the current non-prefix tokens kept at each stage, in (0, 1]:
             one float for every stage, or one per stage.
         stages: 0-indexed blocks that prune, strictly increasing. ``None`` picks the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import io
 from pathlib import Path
 from typing import Any, Dict, Tuple
 
@@ -33,7 +35,9 @@ def checkpoint_path(dataset: str) -> Path:
 
 def load_checkpoint(path: Path) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """A checkpoint written by ``examples/train_small_vit.py``: the model (eval mode) and its record."""
-    record = torch.load(path, map_location="cpu", weights_only=True)
+    # safe_globals: the first training runs stored torch.__version__ (a TorchVersion), not a str
+    with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
+        record = torch.load(path, map_location="cpu", weights_only=True)
     model = build(record["dataset"])
     model.load_state_dict({k: v.float() for k, v in record["state_dict"].items()})
     return model.eval(), {k: v for k, v in record.items() if k != "state_dict"}
@@ -47,7 +51,26 @@ def load_shipped(dataset: str) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     return load_checkpoint(path)
 
 
+def subset_path(dataset: str) -> Path:
+    return ASSETS / f"{dataset}_test_subset.pt.gz"
+
+
+def save_test_subset(dataset: str, images: torch.Tensor, labels: torch.Tensor) -> Path:
+    """Write a test subset (gzipped: the canvases are mostly background)."""
+    path = subset_path(dataset)
+    buffer = io.BytesIO()
+    torch.save({"images": images.contiguous().clone(), "labels": labels.contiguous().clone()}, buffer)
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as out:
+        out.write(buffer.getvalue())  # mtime=0: the same data gives the same bytes
+    return path
+
+
 def load_test_subset(dataset: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The shipped test subset: ``(images uint8 (N, H, W), labels int64 (N,))``."""
-    record = torch.load(ASSETS / f"{dataset}_test_subset.pt", map_location="cpu", weights_only=True)
+    """The shipped test subset: ``(images uint8 (N, H, W), labels int64 (N,))``.
+
+    The first 2,000 images of the dataset's test split (Fashion-MNIST's test split, or
+    its cluttered version), as written by ``examples/make_assets.py``.
+    """
+    with gzip.open(subset_path(dataset), "rb") as stream:
+        record = torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
     return record["images"], record["labels"]

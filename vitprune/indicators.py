@@ -65,8 +65,18 @@ def uniform_random(attn: torch.Tensor, generator: Optional[torch.Generator] = No
     return scores.to(attn.device)
 
 
+def head_agreement(attn: torch.Tensor) -> torch.Tensor:
+    """Minus the variance across heads: ranks the patches the heads agree on first.
+
+    The falsifier the paper's referee asked for: if keeping these does as well as
+    keeping the most diverse patches, diversity is not what carries the method.
+    """
+    return -head_variance(attn)
+
+
 SCORES: Dict[str, Score] = {
     "var": head_variance,
     "medad": head_medad,
     "cls": head_mean,
+    "lowvar": head_agreement,
 }

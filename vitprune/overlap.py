@@ -51,16 +51,20 @@ class OverlapRecord:
     pos_embed: "torch.Tensor | None"
 
 
-def check_overlap(model: nn.Module, stride: int) -> None:
-    """Raise unless ``model``'s patch embedding can take ``stride`` (before anything changes)."""
+def check_overlap(model: nn.Module, stride: int, current: "OverlapRecord | None" = None) -> None:
+    """Raise unless ``model``'s patch embedding can take ``stride`` (before anything changes).
+
+    ``current``: the record of an overlap the model has now, which patching again undoes first.
+    """
     embed = getattr(model, "patch_embed", None)
     if not isinstance(embed, PatchEmbed) or not isinstance(getattr(embed, "proj", None), nn.Conv2d):
         raise TypeError(
             f"overlap_stride needs timm's PatchEmbed with a Conv2d projection; this model has "
             f"{type(embed).__name__} (hybrid CNN stems cannot overlap)"
         )
-    if tuple(embed.proj.stride) != tuple(embed.patch_size):
-        raise TypeError(f"the patch embedding already has stride {tuple(embed.proj.stride)} "
+    original_stride = tuple(embed.proj.stride) if current is None else tuple(current.stride)
+    if original_stride != tuple(embed.patch_size):
+        raise TypeError(f"the patch embedding already has stride {original_stride} "
                         f"for patch size {tuple(embed.patch_size)}")
     if stride > min(embed.patch_size):
         raise ValueError(

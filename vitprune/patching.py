@@ -133,7 +133,8 @@ def patch(
     _check_blocks(model, cfg.stages)
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None:
-        check_overlap(model, cfg.overlap_stride)
+        previous = model.__dict__.get(MODEL_ATTR)
+        check_overlap(model, cfg.overlap_stride, None if previous is None else previous.overlap)
 
     unpatch(model)
     state = PruneState(cfg, model.num_prefix_tokens, gen)

@@ -1,0 +1,60 @@
+"""The kept-patch pictures in README.
+
+    pip install -e ".[docs]" && python examples/make_pictures.py
+
+1. A real photograph that ships inside scikit-learn (``load_sample_image("china.jpg")``)
+   through ``deit_small_patch16_224`` with random weights (nothing can be downloaded here):
+   the choice of patches shows the mechanics only, not what a trained model attends to.
+2. Fashion-MNIST and cluttered Fashion-MNIST test images through the shipped trained models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import timm
+import torch
+from PIL import Image
+
+import vitprune
+from vitprune import datasets
+from vitprune.demo_models import load_shipped, load_test_subset
+from vitprune.show import prepare_timm
+
+OUT = Path("docs/images")
+
+
+def photograph() -> None:
+    from sklearn.datasets import load_sample_image
+
+    torch.manual_seed(0)
+    model = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
+    vitprune.patch(model, indicator="var", keep_rate=0.7)
+    x, display = prepare_timm(model, Image.fromarray(load_sample_image("china.jpg")))
+    figure = vitprune.visualize(model, x, display)
+    figure.suptitle("var, keep 0.7 - deit_small with RANDOM weights: mechanics only", fontsize=10)
+    figure.savefig(OUT / "photo_random_weights.png", dpi=90)
+
+
+def shipped(dataset: str, indicator: str = "var", keep_rate: float = 0.5, count: int = 4) -> None:
+    model, _ = load_shipped(dataset)
+    vitprune.patch(model, indicator=indicator, keep_rate=keep_rate)
+    images, labels = load_test_subset(dataset)
+    x = datasets.to_input(images[:count])
+    with torch.no_grad():
+        predicted = model(x).argmax(-1).tolist()
+    titles = [f"{datasets.CLASSES[p]}\n(true: {datasets.CLASSES[t]})" for p, t in zip(predicted, labels[:count].tolist())]
+    figure = vitprune.visualize(model, x, images[:count].unsqueeze(1).float() / 255, titles=titles, panel_inches=1.8)
+    figure.savefig(OUT / f"{dataset}_kept.png", dpi=90)
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    photograph()
+    for dataset in datasets.DATASETS:
+        shipped(dataset)
+    print(f"wrote {sorted(p.name for p in OUT.glob('*.png'))}")
+
+
+if __name__ == "__main__":
+    main()

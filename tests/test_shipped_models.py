@@ -1,0 +1,53 @@
+"""The shipped checkpoints and test subsets, and the demo that uses them."""
+
+import pytest
+import torch
+
+from vitprune import datasets
+from vitprune.cli import main
+from vitprune.demo_models import checkpoint_path, load_shipped, load_test_subset, subset_path
+from vitprune.evaluation import accuracy
+
+
+@pytest.mark.parametrize("dataset", datasets.DATASETS)
+def test_shipped_files_are_small_and_say_how_they_were_made(dataset):
+    assert checkpoint_path(dataset).stat().st_size < 10 * 2**20
+    assert subset_path(dataset).stat().st_size < 10 * 2**20
+    model, record = load_shipped(dataset)
+    assert record["command"].startswith("python examples/train_small_vit.py")
+    assert record["dataset"] == dataset and isinstance(record["seed"], int)
+    assert isinstance(model, torch.nn.Module) and not model.training
+    images, labels = load_test_subset(dataset)
+    assert images.dtype == torch.uint8 and len(images) == len(labels) == 2000
+    assert images.shape[1:] == tuple(model.patch_embed.img_size)
+
+
+def test_the_fashion_mnist_model_meets_its_accuracy_target():
+    _, record = load_shipped("fashion_mnist")
+    assert record["test_accuracy"] >= 0.89  # on the full 10,000-image test split, when trained
+
+
+@pytest.mark.parametrize("dataset", datasets.DATASETS)
+def test_subset_accuracy_matches_the_recorded_full_test_accuracy(dataset):
+    model, record = load_shipped(dataset)
+    images, labels = load_test_subset(dataset)
+    # 2,000 of the 10,000 test images, float16-stored weights: within 2 points
+    assert abs(accuracy(model, images, labels) - record["test_accuracy"]) < 0.02
+
+
+def test_demo_runs_and_writes_a_plot(tmp_path, capsys):
+    out = tmp_path / "demo.png"
+    code = main(["demo", "--datasets", "fashion_mnist", "--keep-rates", "0.7", "--rounds", "1", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "var keep 0.7" in text and "medad keep 0.7" in text and "unpruned" in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--keep-rates", "0"], "keep rates must be in (0, 1]"),
+    (["--out", "demo.jpg"], "must be a .png"),
+])
+def test_demo_bad_options(options, message, capsys):
+    assert main(["demo", *options]) == 2
+    assert message in capsys.readouterr().err

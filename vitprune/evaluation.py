@@ -1,0 +1,54 @@
+"""Top-1 accuracy of a model on uint8 images (vitprune's own data)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .datasets import load, to_input
+
+
+@torch.inference_mode()
+def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int = 500) -> float:
+    """Fraction of ``images`` (uint8 ``(N, H, W)``) whose top-1 prediction is the label.
+
+    Runs in eval mode and puts the model's mode back afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(images), batch):
+        logits = model(to_input(images[start:start + batch]))
+        correct += (logits.argmax(-1) == labels[start:start + batch]).sum().item()
+    model.train(was_training)
+    return correct / len(images)
+
+
+def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[torch.nn.Module, Dict[str, Any]]],
+                                                 Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
+    """The experiment scripts' common start: ``--checkpoints`` and ``--docs`` parsed, the
+    checkpoints loaded, and the full test split of every dataset they were trained on."""
+    from .demo_models import load_checkpoint
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoints", nargs="+", required=True, help="from examples/train_small_vit.py")
+    parser.add_argument("--docs", default="docs", help="where the tables, plots and results/ go")
+    args = parser.parse_args()
+    models = [load_checkpoint(Path(p)) for p in args.checkpoints]
+    test = {d: load(d, "test") for d in {record["dataset"] for _, record in models}}
+    return args, models, test
+
+
+def save_results(docs: str, name: str, rows: Sequence[Dict[str, Any]]) -> str:
+    """Write ``docs/results/NAME.json`` with the command that produced it; return the command."""
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    folder = Path(docs) / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps({"command": command, "rows": list(rows)}, indent=1))
+    return command
