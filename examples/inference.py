@@ -19,15 +19,14 @@ from PIL import Image
 
 import vitprune
 from vitprune.flops import analytic_flops
+from vitprune.show import prepare_timm
 
 
 def load_input(model: torch.nn.Module, image: str | None, batch: int) -> torch.Tensor:
     """The image through the model's own preprocessing, or a seeded random batch."""
     if image is None:
         return torch.randn(batch, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(0))
-    config = timm.data.resolve_data_config({}, model=model)
-    transform = timm.data.create_transform(**config)
-    return transform(Image.open(image).convert("RGB")).unsqueeze(0)
+    return prepare_timm(model, Image.open(image))[0]
 
 
 def main() -> None:

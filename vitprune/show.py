@@ -82,6 +82,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
 
 def main(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")  # a command writes files; no window
     from .visualize import visualize
 
     try:

@@ -95,10 +95,7 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         A ``matplotlib.figure.Figure``: one row per image, one column for the input and one
         per stage ("after block b: k kept").
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the caller's backend: no switching under a notebook
 
     config = get_config(model)
     if images.dim() == 3:
