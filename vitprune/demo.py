@@ -16,6 +16,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from .bench import time_interleaved
+from .config import INDICATORS
 from .datasets import DATASETS, to_input
 from .demo_models import load_shipped, load_test_subset
 from .evaluation import accuracy
@@ -93,7 +94,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"],
-                        choices=("var", "medad", "cls", "random", "lowvar"))
+                        choices=INDICATORS)
     parser.add_argument("--keep-rates", nargs="+", type=float, default=list(DEFAULT_KEEP_RATES))
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds for the speedup (median)")
     parser.add_argument("--out", default="demo.png", help="where to write the plot (PNG)")

@@ -49,7 +49,7 @@ class PruneState:
         if previous is None or previous.shape != (B, n):
             previous = torch.arange(n, device=x.device).expand(B, n)
 
-        scores = self.scores(row)
+        scores = self.scores(row)  # also at keep 1.0, so benchmarks there measure the scoring cost
         k = keep_count(self.config.keep_rate[stage], n)
         if k == n:
             self.positions[stage] = previous
