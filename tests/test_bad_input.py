@@ -3,6 +3,8 @@
 import pytest
 import timm
 import torch
+from timm.models.vision_transformer import DiffParallelScalingBlock
+from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
 import vitprune
@@ -47,11 +49,16 @@ def test_a_failed_repatch_keeps_the_previous_patch(tiny, options, error, match):
     (lambda: nn.Linear(3, 3), "supported: timm VisionTransformer"),
     (lambda: timm.create_model("resnet10t"), "cannot patch a .*ResNet"),
     (lambda: "deit_small_patch16_224", "torch.nn.Module"),
-    (lambda: timm.create_model("deit_tiny_patch16_224", class_token=False, global_pool="avg"), "class token"),
-    (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="avg"), "global_pool"),
-    (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=timm.models.vision_transformer.ResPostBlock),
-     "block 3 is a ResPostBlock; vitprune can prune in: Block"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="prr"), "got .prr.: this pooling"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=DiffParallelScalingBlock),
+     "block 3 is a DiffParallelScalingBlock; vitprune can prune in: Block, ResPostBlock"),
     (lambda: timm.create_model("deit_tiny_patch16_224", attn_layer="diff"), "attention DiffAttention"),
+    (lambda: timm.create_model("naflexvit_base_patch16_gap", depth=2), "NaFlexVit: it packs"),
+    (lambda: timm.create_model("hiera_tiny_224"), "Hiera: it is hierarchical"),
+    (lambda: timm.create_model("xcit_nano_12_p16_224"), "Xcit: its cross-covariance attention"),
+    (lambda: timm.create_model("cait_xxs24_224", depth=2), "Cait: its patch tokens never attend"),
+    (lambda: VisionTransformerSAM(img_size=64, embed_dim=32, depth=2, num_heads=2, window_size=2,
+                                  global_attn_indexes=(1,)), "VisionTransformerSAM: its windowed"),
 ])
 def test_unsupported_models_raise_type_error_and_stay_untouched(make, match):
     model = make()

@@ -28,6 +28,18 @@ def test_bench_writes_json_rows(tmp_path, capsys):
     assert "var keep 0.5" in table and "ach/ideal" in table
 
 
+@pytest.mark.slow
+def test_bench_times_eager_and_compiled_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.5", "--indicators", "var",
+                 "--compile", "both", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["setting"], r["compiled"]) for r in rows] == [
+        ("unpruned", False), ("var keep 0.5", False), ("unpruned, compiled", True), ("var keep 0.5, compiled", True)]
+    assert rows[0]["speedup"] == 1.0 and rows[2]["speedup"] != 1.0  # compiled is timed against eager
+    assert rows[3]["gflops"] == rows[1]["gflops"]
+
+
 def test_bench_training_step_with_memory_and_csv(tmp_path):
     out = tmp_path / "bench.csv"
     code = main(["bench", *TINY, "--mode", "train", "--indicators", "medad", "--keep-rates", "0.5",
@@ -47,7 +59,7 @@ def test_bench_training_step_with_memory_and_csv(tmp_path):
     (["--stages", "3,x"], "comma-separated block indices"),
     (["--indicators", "entropy"], "invalid choice"),
     (["--batch", "0"], "positive integer"),
-    (["--model", "vit_base_patch16_gap_224"], "vitprune needs a class token"),
+    (["--model", "xcit_nano_12_p16_224"], "its cross-covariance attention mixes channels"),
 ])
 def test_bad_options_exit_non_zero_with_a_message(options, message, capsys):
     try:

@@ -21,3 +21,15 @@ def test_compiled_patched_model_matches_eager_without_graph_breaks():
     assert_close(actual, expected, rtol=1e-4, atol=1e-5)
     for a, b in zip(vitprune.kept_positions(model), eager_kept):
         assert torch.equal(a, b)
+
+
+def test_compiled_model_does_not_recompile_across_batches_of_one_shape():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
+    vitprune.patch(model, indicator="var", keep_rate=0.6, stages=(1, 2))
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
+        for seed in range(3):  # new values each time, same shape: one graph serves them all
+            x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
+            assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)

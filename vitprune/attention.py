@@ -1,20 +1,25 @@
-"""timm's self-attention, run through its own submodules, plus the class token's row.
+"""timm's self-attention, run through its own submodules, plus the row the indicators score.
 
-The row is what the indicators score (METHOD.md §1). It costs one ``(1 x (P + N))``
-product per head beside the model's fused attention, so no block ever materialises
-the ``(P + N) x (P + N)`` matrix that the fused kernel avoids.
+With a class token the row is the class token's attention (METHOD.md §1). It costs one
+``(1 x (P + N))`` product per head beside the model's fused attention, so no block ever
+materialises the ``(P + N) x (P + N)`` matrix that the fused kernel avoids. Without a
+class token the row is the mean attention each patch receives over all queries; that
+needs the matrix, so pruning blocks of such models run timm's explicit attention path.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention
+from timm.models.vision_transformer import ParallelScalingBlock
+from torch import nn
 
 
-def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix: int) -> torch.Tensor:
+def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix: int,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The class token's softmax attention over the patch tokens, per head, in float32.
 
     The logits are computed in the model's dtype, like the model's own attention, and
@@ -26,6 +31,7 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
         k: ``(B, H, P + N, d)`` keys, likewise.
         scale: The attention's softmax scale.
         num_prefix: ``P``; the class token is token 0, as in timm.
+        bias: The attention's additive bias ``(B or 1, H, P + N, P + N)``, or ``None``.
 
     Returns:
         ``(B, H, N)``: the softmax over all ``P + N`` keys, restricted to the patch columns.
@@ -40,15 +46,83 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
         logits = logits.transpose(1, 2)
     else:
         logits = (q_cls.unsqueeze(2) @ k.transpose(-2, -1)).squeeze(2)
+    if bias is not None:
+        logits = logits + bias[:, :, 0]
     return logits.float().softmax(dim=-1)[:, :, num_prefix:]
 
 
-def attention_with_class_row(
+#: Where the per-head attention that the indicators score comes from (METHOD.md §1):
+#: ``"cls"``, the class token's row; ``"mean"``, for models without a class token, the mean
+#: attention each patch receives over all queries (needs the full matrix in pruning blocks).
+ROW_SOURCES = ("cls", "mean")
+
+
+def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float,
+        fused: bool,
+        attn_drop: nn.Dropout,
+        num_prefix: int,
+        source: str,
+        bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head attention as timm computes it, and the per-head row the indicators score.
+
+    Args:
+        q, k, v: ``(B, H, L, d)``, after any ``q_norm``/``k_norm``.
+        scale: The softmax scale.
+        fused: Use ``scaled_dot_product_attention`` (timm's ``fused_attn``); ignored for
+            ``source="mean"``, which needs the attention matrix itself.
+        attn_drop: The module's attention dropout.
+        num_prefix: Tokens at the front that are never scored.
+        source: One of :data:`ROW_SOURCES`.
+        bias: Additive attention bias ``(B or 1, H, L, L)`` (relative position), or ``None``.
+
+    Returns:
+        The attention output ``(B, H, L, d)`` and the row ``(B, H, L - num_prefix)`` in float32.
+    """
+    if source == "mean" or not fused:
+        logits = (q * scale) @ k.transpose(-2, -1)
+        weights = (logits if bias is None else logits + bias).softmax(dim=-1)
+        row = weights.float().mean(dim=2)[..., num_prefix:] if source == "mean" else \
+            class_attention_row(q, k, scale, num_prefix, bias)
+        return attn_drop(weights) @ v, row
+    row = class_attention_row(q, k, scale, num_prefix, bias)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=attn_drop.p if attn_drop.training else 0.0)
+    return out, row
+
+
+def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q, k, v`` as ``(B, heads, N, d)`` through the module's own projections: a fused
+    ``qkv`` (with EVA/BEiT's separate ``q_bias``/``k_bias``/``v_bias`` when present), or
+    separate ``q_proj``/``k_proj``/``v_proj`` (grouped key/value heads allowed)."""
+    B, N, _ = x.shape
+    if attn.qkv is not None:
+        bias = getattr(attn, "q_bias", None)
+        if bias is None:
+            qkv = attn.qkv(x)
+        elif attn.qkv_bias_separate:
+            qkv = attn.qkv(x) + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+        else:
+            qkv = F.linear(x, weight=attn.qkv.weight, bias=torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
+        return qkv.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    kv_heads = getattr(attn, "num_kv_heads", attn.num_heads)
+    q = attn.q_proj(x).reshape(B, N, attn.num_heads, -1).transpose(1, 2)
+    k = attn.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+    v = attn.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+    return q, k, v
+
+
+def attention_with_row(
         attn: Attention,
         x: torch.Tensor,
         num_prefix: int,
+        source: str = "cls",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``attn(x)`` exactly as timm computes it, and the class token's attention row.
+    """``attn(x)`` exactly as timm computes it, and the row the indicators score.
 
     Uses the module's own ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate``, ``proj``
     and dropouts, and its fused or explicit path as ``attn.fused_attn`` says; the
@@ -63,18 +137,37 @@ def attention_with_class_row(
     qkv = attn.qkv(x).reshape(B, L, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
-
-    row = class_attention_row(q, k, attn.scale, num_prefix)
-    if attn.fused_attn:
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=attn.attn_drop.p if attn.training else 0.0,
-        )
-    else:
-        weights = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-        out = attn.attn_drop(weights) @ v
-
+    out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
+                      num_prefix=num_prefix, source=source)
     out = out.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     if gate is not None:
         out = out * gate
     return attn.proj_drop(attn.proj(out)), row
+
+
+def parallel_scaling_with_row(
+        block: ParallelScalingBlock,
+        x: torch.Tensor,
+        num_prefix: int,
+        source: str = "cls",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``block(x)`` for timm's ``ParallelScalingBlock`` (attention and MLP side by side),
+    through its own submodules, and the row the indicators score."""
+    B, L, C = x.shape
+    y = block.in_proj(block.in_norm(x))
+    x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
+    if block.mlp_bias is not None:
+        x_mlp = x_mlp + block.mlp_bias
+    q = block.q_norm(q.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
+    k = block.k_norm(k.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
+    v = v.view(B, L, block.num_heads, block.head_dim).transpose(1, 2)
+    out, row = attend(q, k, v, scale=block.scale, fused=block.fused_attn, attn_drop=block.attn_drop,
+                      num_prefix=num_prefix, source=source)
+    out = out.transpose(1, 2).reshape(B, L, C)
+    x_mlp = block.mlp_drop(block.mlp_act(x_mlp))
+    if block.out_proj is not None:
+        y = block.out_proj(torch.cat((out, x_mlp), dim=-1))
+    else:
+        y = block.attn_out_proj(out) + block.mlp_out_proj(x_mlp)
+    return x + block.drop_path(block.ls(y)), row

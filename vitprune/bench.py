@@ -176,13 +176,22 @@ def run(args: argparse.Namespace) -> List[Row]:
     x = torch.randn(args.batch, 3, *size, device=device)
     models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}
     flops = {label: count_flops(model, size) for label, model in models.items()}
-    steps = {label: make_step(model, x, args.mode, dtype, args.compile) for label, model in models.items()}
+    compiled = {label: args.compile == "all" for label in models}
+    steps = {label: make_step(model, x, args.mode, dtype, compiled[label]) for label, model in models.items()}
+    measured = len(grid)
+    if args.compile == "both":  # each setting eager and compiled, all timed against eager unpruned
+        for setting in list(grid):
+            label = f"{setting.label}, compiled"
+            grid.append(setting)
+            models[label], flops[label], compiled[label] = models[setting.label], flops[setting.label], True
+            steps[label] = make_step(copy.deepcopy(models[setting.label]), x, args.mode, dtype, True)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     seconds = time_interleaved(steps, args.rounds, args.warmup, sync, progress=not args.no_progress)
 
+    labels = list(models)  # one per timed step, parallel to grid
     peaks: Dict[str, Optional[float]] = {label: None for label in models}
     if not args.no_memory:
-        for setting in grid:
+        for setting in grid[:measured]:  # eager models only
             if device.type == "cuda":
                 peak = cuda_peak_bytes(steps[setting.label], device)
             else:
@@ -193,8 +202,7 @@ def run(args: argparse.Namespace) -> List[Row]:
 
     base_s, base_f = seconds["unpruned"], flops["unpruned"]
     rows = []
-    for setting in grid:
-        label = setting.label
+    for label, setting in zip(labels, grid):
         speedup, ideal = base_s / seconds[label], base_f / flops[label]
         rows.append(Row(
             model=args.model, setting=label, indicator=setting.indicator, keep_rate=setting.keep_rate,
@@ -203,7 +211,7 @@ def run(args: argparse.Namespace) -> List[Row]:
             gflops=flops[label] / 1e9, images_per_s=args.batch / seconds[label], speedup=speedup,
             ideal_speedup=ideal, achieved_over_ideal=speedup / ideal, peak_memory_mb=peaks[label],
             mode=args.mode, device=str(device), dtype=args.dtype, batch=args.batch, img_size=list(size),
-            threads=torch.get_num_threads(), compiled=args.compile, rounds=args.rounds,
+            threads=torch.get_num_threads(), compiled=compiled[label], rounds=args.rounds,
         ))
     return rows
 
@@ -214,7 +222,7 @@ def format_table(rows: Sequence[Row]) -> str:
     lines = [
         f"{first.model}, {first.mode}, {first.device} {first.dtype}, batch {first.batch}, "
         f"{first.img_size[0]}x{first.img_size[1]}, {first.threads} threads"
-        f"{', compiled' if first.compiled else ''}, median of {first.rounds} interleaved rounds",
+        f"{', compiled' if all(r.compiled for r in rows) else ''}, median of {first.rounds} interleaved rounds",
         f"{'setting':<28}{'GFLOPs':>8}{'img/s':>10}{'speedup':>9}{'ideal':>8}{'ach/ideal':>11}{'peak MiB':>10}",
     ]
     for r in rows:
@@ -270,7 +278,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="bf16 runs under autocast")
     parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument("--compile", nargs="?", const="all", choices=("all", "both"), default=None,
+                        help="torch.compile every model ('all', the default when given), or time every "
+                             "setting eager and compiled ('both'), all against the eager unpruned model")
     parser.add_argument("--rounds", type=_positive_int, default=7, help="timed rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")

@@ -2,51 +2,115 @@
 
 Each subclass only overrides ``forward`` and calls the block's own submodules, so
 ``state_dict`` keys, parameters and hooks are the block's own, and restoring the
-original class undoes the patch.
+original class undoes the patch. Where attention and MLP run in sequence the tokens
+are pruned between them (as in the paper); where they run side by side
+(``ParallelScalingBlock``) the whole block runs on all tokens and pruning follows it.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Type
+from typing import Dict, Optional, Tuple, Type
 
 import torch
 from timm.layers import Attention
-from timm.models.vision_transformer import Block
+from timm.models.vision_transformer import Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
 
-from .attention import attention_with_class_row
+from .attention import attention_with_row, parallel_scaling_with_row
 from .state import PruneState
 
 #: Attributes a patch adds to a block; ``unpatch`` deletes exactly these.
-BLOCK_ATTRS = ("vitprune_state", "vitprune_stage")
+BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow")
 
 
-class PruneBlock(Block):
-    """timm ``Block`` that prunes tokens between its attention and its MLP."""
+def _refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+    if attn_mask is not None or is_causal:
+        raise ValueError(
+            "vitprune: a pruning block cannot apply attn_mask or is_causal, because the "
+            "mask no longer matches the tokens after pruning; unpatch the model to use masks"
+        )
+
+
+class _Pruning:
+    """What every pruning block carries (set by ``patch``)."""
 
     vitprune_state: PruneState
     vitprune_stage: int
 
-    def forward(
-            self,
-            x: torch.Tensor,
-            attn_mask: Optional[torch.Tensor] = None,
-            is_causal: bool = False,
-    ) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise ValueError(
-                "vitprune: a pruning block cannot apply attn_mask or is_causal, because the "
-                "mask no longer matches the tokens after pruning; unpatch the model to use masks"
-            )
+    def _attend(self, attn: Attention, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         state = self.vitprune_state
-        out, row = attention_with_class_row(self.attn, self.norm1(x), state.num_prefix)
-        x = x + self.drop_path1(self.ls1(out))
-        x = state.prune(x, row, self.vitprune_stage)
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
-        return x
+        return attention_with_row(attn, x, state.num_prefix, state.row_source)
+
+    def _prune(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        return self.vitprune_state.prune(x, row, self.vitprune_stage)
+
+
+class PruneBlock(_Pruning, Block):
+    """timm ``Block`` (pre-norm) that prunes tokens between its attention and its MLP."""
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        _refuse_masks(attn_mask, is_causal)
+        out, row = self._attend(self.attn, self.norm1(x))
+        x = self._prune(x + self.drop_path1(self.ls1(out)), row)
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+class PruneResPostBlock(_Pruning, ResPostBlock):
+    """timm ``ResPostBlock`` (norm after each branch) that prunes between attention and MLP."""
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        _refuse_masks(attn_mask, is_causal)
+        out, row = self._attend(self.attn, x)
+        x = self._prune(x + self.drop_path1(self.norm1(out)), row)
+        return x + self.drop_path2(self.norm2(self.mlp(x)))
+
+
+class PruneParallelThingsBlock(_Pruning, ParallelThingsBlock):
+    """timm ``ParallelThingsBlock`` (parallel attentions, then parallel MLPs) that prunes
+    between the two; the scored row holds the heads of all parallel attentions."""
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        _refuse_masks(attn_mask, is_causal)
+        outs, rows = [], []
+        for branch in self.attns:
+            out, row = self._attend(branch.attn, branch.norm(x))
+            outs.append(branch.drop_path(branch.ls(out)))
+            rows.append(row)
+        x = self._prune(x + torch.stack(outs).sum(dim=0), torch.cat(rows, dim=1))
+        return x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
+
+
+class PruneParallelScalingBlock(_Pruning, ParallelScalingBlock):
+    """timm ``ParallelScalingBlock`` (attention and MLP side by side from one input
+    projection): the block runs on all tokens, then prunes its output."""
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
+        _refuse_masks(attn_mask, is_causal)
+        state = self.vitprune_state
+        x, row = parallel_scaling_with_row(self, x, state.num_prefix, state.row_source)
+        return self._prune(x, row)
 
 
 #: Original block class -> its pruning subclass.
-PRUNE_BLOCKS: Dict[type, type] = {Block: PruneBlock}
+PRUNE_BLOCKS: Dict[type, type] = {
+    Block: PruneBlock,
+    ResPostBlock: PruneResPostBlock,
+    ParallelThingsBlock: PruneParallelThingsBlock,
+    ParallelScalingBlock: PruneParallelScalingBlock,
+}
 
-#: The attention class each pruning block knows how to run, by original block class.
-SUPPORTED_ATTENTION: Dict[type, Type[torch.nn.Module]] = {Block: Attention}
+
+def attention_modules(block: torch.nn.Module) -> Dict[str, torch.nn.Module]:
+    """The attention modules a pruning block runs itself, by name, for the type check."""
+    if isinstance(block, ParallelThingsBlock):
+        return {f"attns.{i}.attn": branch.attn for i, branch in enumerate(block.attns)}
+    if isinstance(block, ParallelScalingBlock):
+        return {}
+    return {"attn": block.attn}
+
+
+#: The attention class the pruning blocks know how to run.
+SUPPORTED_ATTENTION: Type[torch.nn.Module] = Attention

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,22 +33,44 @@ def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor,
 def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[torch.nn.Module, Dict[str, Any]]],
                                                  Dict[str, Tuple[torch.Tensor, torch.Tensor]]]:
     """The experiment scripts' common start: ``--checkpoints`` and ``--docs`` parsed, the
-    checkpoints loaded, and the full test split of every dataset they were trained on."""
+    checkpoints loaded, and the test split (or its first ``--limit`` images) of every
+    dataset they were trained on."""
     from .demo_models import load_checkpoint
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoints", nargs="+", required=True, help="from examples/train_small_vit.py")
     parser.add_argument("--docs", default="docs", help="where the tables, plots and results/ go")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="evaluate on the first LIMIT test images only (default: the whole split)")
     args = parser.parse_args()
     models = [load_checkpoint(Path(p)) for p in args.checkpoints]
     test = {d: load(d, "test") for d in {record["dataset"] for _, record in models}}
+    if args.limit is not None:
+        test = {d: (images[:args.limit], labels[:args.limit]) for d, (images, labels) in test.items()}
     return args, models, test
 
 
-def save_results(docs: str, name: str, rows: Sequence[Dict[str, Any]]) -> str:
-    """Write ``docs/results/NAME.json`` with the command that produced it; return the command."""
+def save_results(docs: str, name: str, rows: Sequence[Dict[str, Any]],
+                 commands: Optional[Sequence[str]] = None) -> str:
+    """Write ``docs/results/NAME.json`` with the command that produced it (and, for merged
+    results, the commands of the runs merged); return the command."""
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     folder = Path(docs) / "results"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{name}.json").write_text(json.dumps({"command": command, "rows": list(rows)}, indent=1))
+    record: Dict[str, Any] = {"command": command, "rows": list(rows)}
+    if commands is not None:
+        record["merged_commands"] = list(commands)
+    (folder / f"{name}.json").write_text(json.dumps(record, indent=1))
     return command
+
+
+def merge_results(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """The rows of several results JSON files (as ``save_results`` writes them) and the
+    commands that produced them, in order."""
+    rows: List[Dict[str, Any]] = []
+    commands: List[str] = []
+    for path in paths:
+        record = json.loads(Path(path).read_text())
+        rows += record["rows"]
+        commands += record.get("merged_commands", [record["command"]])
+    return rows, commands

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+from timm.models.vision_transformer import Block, ResPostBlock
 from torch import nn
 
 from .config import PruneConfig, keep_count
@@ -76,11 +77,24 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
     return grid[0] * grid[1]
 
 
+def _check_analytic(model: nn.Module) -> None:
+    blocks = getattr(model, "blocks", None)
+    plain = blocks is not None and all(
+        isinstance(b, (Block, ResPostBlock)) and isinstance(getattr(getattr(b, "mlp", None), "fc1", None), nn.Linear)
+        for b in blocks)
+    embed = getattr(model, "patch_embed", None)
+    if not plain or not isinstance(getattr(embed, "proj", None), nn.Conv2d) or hasattr(embed, "backbone"):
+        raise TypeError(
+            f"analytic FLOPs cover ViTs with Block or ResPostBlock blocks (Linear MLP) and a convolutional "
+            f"patch embedding; use vitprune.count_flops (fvcore) for this {type(model).__name__}"
+        )
+
+
 def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
     """FLOPs of one image through ``model`` (patched or not), from its token schedule.
 
     Args:
-        model: A timm ``VisionTransformer`` with ``Block`` blocks.
+        model: A timm ``VisionTransformer`` with ``Block`` or ``ResPostBlock`` blocks.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
     """
     return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size)
@@ -90,7 +104,12 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     """FLOPs of one image through ``model`` if it were patched with ``config`` (``None``: unpruned).
 
     ``config.overlap_stride``, when set, replaces the patch embedding's stride.
+
+    Raises:
+        TypeError: For models this formula does not describe (parallel blocks, a CNN
+            stem, other families): use :func:`count_flops` (fvcore) for those.
     """
+    _check_analytic(model)
     conv = model.patch_embed.proj
     C = model.embed_dim
     patches = num_patches(model, img_size, None if config is None else config.overlap_stride)

@@ -7,22 +7,47 @@ from typing import Any, List, Optional
 
 import torch
 from torch import nn
-from timm.models.deit import VisionTransformerDistilled
+from timm.layers import AttentionPoolLatent
+from timm.models.beit import Beit
+from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
-from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION
+from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION, attention_modules
 from .config import PruneConfig
+from .models import PRUNE_MODELS
+from .relpos import BIAS_ATTENTION, BIAS_BLOCKS
+from .rope import ROPE_ATTENTION, ROPE_BLOCKS
 from .overlap import apply_overlap, check_overlap, remove_overlap
 from .state import PruneState
 
 #: Model classes ``patch`` accepts (exact type match).
-SUPPORTED_MODELS = (VisionTransformer, VisionTransformerDistilled)
+SUPPORTED_MODELS = tuple(PRUNE_MODELS)
 
-#: Pooling modes that read only prefix tokens (or none), so a fusion token cannot skew them.
-SUPPORTED_POOLS = ("token", "")
+#: Why known model families cannot be pruned by this version, by class name.
+UNSUPPORTED_REASONS = {
+    "NaFlexVit": "it packs variable-resolution images with per-image padding masks; dropping tokens "
+                 "would have to follow each image's mask, which this version does not do",
+    "Hiera": "it is hierarchical: its mask-unit attention and pooling stages need the full token grid",
+    "Xcit": "its cross-covariance attention mixes channels, not tokens: there is no per-patch "
+            "attention to score, and its local patch interaction needs the full grid",
+    "VisionTransformerSAM": "its windowed attention blocks partition the full token grid into windows",
+    "Cait": "its patch tokens never attend to the class token (it joins only in the last class-attention "
+            "blocks), so the self-attention blocks have no class-token row to score",
+    "SwinTransformer": "its windowed attention and patch merging need the full token grid",
+    "PyramidVisionTransformerV2": "it is hierarchical (spatial-reduction attention on the full grid)",
+    "Twins": "its locally-grouped attention needs the full token grid",
+    "MultiScaleVit": "its pooling attention and stages need the full token grid",
+}
+
+#: Pooling modes for which a fusion token is harmless: token and none read only prefix
+#: tokens; avg and avgmax weight tokens by patch count; map weights its attention the same.
+SUPPORTED_POOLS = ("token", "", "avg", "avgmax", "max", "map")
 
 MODEL_ATTR = "vitprune_state"
-_ORIGINAL_BLOCKS = {pruned: original for original, pruned in PRUNE_BLOCKS.items()}
+_ALL_BLOCKS = {**PRUNE_BLOCKS, **ROPE_BLOCKS, **BIAS_BLOCKS}
+_ORIGINAL_BLOCKS = {pruned: original for original, pruned in _ALL_BLOCKS.items()}
+_ORIGINAL_MODELS = {pruned: original for original, pruned in PRUNE_MODELS.items()}
 _OPTIONS = tuple(f.name for f in dataclasses.fields(PruneConfig))
 
 
@@ -32,20 +57,30 @@ def _supported_names() -> str:
 
 def _check_model(model: nn.Module) -> None:
     """Raise ``TypeError`` unless ``model`` is a ViT this version can prune."""
-    if type(model) not in SUPPORTED_MODELS:
+    kind = _ORIGINAL_MODELS.get(type(model), type(model))
+    if kind not in SUPPORTED_MODELS:
+        reason = UNSUPPORTED_REASONS.get(kind.__name__)
+        why = f": {reason}" if reason else ""
         raise TypeError(
-            f"vitprune cannot patch a {type(model).__module__}.{type(model).__name__}; "
-            f"supported: {_supported_names()} (vit_*, deit_*, deit3_* models and others built on them)"
+            f"vitprune cannot patch a {kind.__module__}.{kind.__name__}{why}; supported: "
+            f"{_supported_names()} (vit_*, deit_*, deit3_*, CLIP, SigLIP and DINOv2 towers, flexivit, "
+            "hybrids; eva02_*, rope ViTs, DINOv3 and PE on timm's Eva; beit*, vit_relpos_*)"
         )
-    if getattr(model, "cls_token", None) is None:
+    if model.global_pool not in SUPPORTED_POOLS:
         raise TypeError(
-            "vitprune needs a class token: the indicators score patches by the class token's "
-            "attention, and this model has none (class_token=False)"
+            f"vitprune supports global_pool in {SUPPORTED_POOLS}, got {model.global_pool!r}: "
+            "this pooling would treat the fusion token as a single patch"
         )
-    if getattr(model, "attn_pool", None) is not None or model.global_pool not in SUPPORTED_POOLS:
+    if model.global_pool in ("avg", "avgmax", "map") and "pool" not in vars(VisionTransformer):
         raise TypeError(
-            f"vitprune supports global_pool in {SUPPORTED_POOLS}, got {model.global_pool!r}: pooling "
-            "over patch tokens would count the fusion token as a single patch"
+            f"vitprune weights global_pool={model.global_pool!r} by patch count through "
+            "VisionTransformer.pool, which this timm version lacks; upgrade timm"
+        )
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is not None and (type(attn_pool) is not AttentionPoolLatent or attn_pool.pos_embed is not None):
+        raise TypeError(
+            f"vitprune supports attention pooling by timm's AttentionPoolLatent without a position "
+            f"embedding (global_pool='map'), got {type(attn_pool).__name__}: its input must stay a full grid"
         )
 
 
@@ -53,20 +88,51 @@ def _original_block_type(block: nn.Module) -> type:
     return _ORIGINAL_BLOCKS.get(type(block), type(block))
 
 
-def _check_blocks(model: nn.Module, stages: "tuple[int, ...]") -> None:
-    """Raise ``TypeError`` unless every stage block and its attention are known exactly."""
-    for index in stages:
+#: Families whose position terms (rope, relative bias) live inside every block: all their
+#: blocks from the first stage on are swapped, with these subclasses.
+FOLLOWING_BLOCKS = {Eva: ROPE_BLOCKS, Beit: BIAS_BLOCKS, VisionTransformerRelPos: BIAS_BLOCKS}
+
+
+def _family(model: nn.Module) -> type:
+    return _ORIGINAL_MODELS.get(type(model), type(model))
+
+
+def _swap_plan(model: nn.Module, stages: "tuple[int, ...]") -> "dict[int, tuple[Optional[int], Optional[int]]]":
+    """Which blocks ``patch`` swaps: index -> (stage number or ``None``, stage whose output
+    the block receives or ``None``). ViT blocks: the stage blocks only. Rope and bias
+    families: every block from the first stage on, since each must gather its tokens'
+    position terms."""
+    if _family(model) not in FOLLOWING_BLOCKS:
+        return {index: (number, None) for number, index in enumerate(stages)}
+    plan, last = {}, None
+    for index in range(stages[0] if stages else len(model.blocks), len(model.blocks)):
+        number = stages.index(index) if index in stages else None
+        plan[index] = (number, last)
+        last = number if number is not None else last
+    return plan
+
+
+def _check_blocks(model: nn.Module, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
+    """Raise ``TypeError`` unless every block to swap, and the attention it runs, are known exactly."""
+    family = _family(model)
+    known_blocks = FOLLOWING_BLOCKS.get(family, PRUNE_BLOCKS)
+    accepted = {Eva: ROPE_ATTENTION, Beit: BIAS_ATTENTION, VisionTransformerRelPos: BIAS_ATTENTION}.get(
+        family, (SUPPORTED_ATTENTION,))
+    for index, (number, _) in plan.items():
         block = model.blocks[index]
         original = _original_block_type(block)
-        if original not in PRUNE_BLOCKS:
-            known = ", ".join(cls.__name__ for cls in PRUNE_BLOCKS)
+        if original not in known_blocks:
+            known = ", ".join(cls.__name__ for cls in known_blocks)
             raise TypeError(f"block {index} is a {original.__name__}; vitprune can prune in: {known}")
-        attn_type = SUPPORTED_ATTENTION[original]
-        if type(block.attn) is not attn_type:
-            raise TypeError(
-                f"block {index} uses attention {type(block.attn).__name__}; vitprune can prune "
-                f"{original.__name__} blocks with timm's {attn_type.__name__}"
-            )
+        if number is None and family is Eva:
+            continue  # a following Eva block runs timm's own forward
+        attentions = attention_modules(block) if family not in FOLLOWING_BLOCKS else {"attn": block.attn}
+        for name, attn in attentions.items():
+            if type(attn) not in accepted:
+                raise TypeError(
+                    f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
+                    f"{original.__name__} blocks with timm's {' or '.join(a.__name__ for a in accepted)}"
+                )
 
 
 def _make_config(config: Optional[PruneConfig], options: "dict[str, Any]") -> PruneConfig:
@@ -108,7 +174,9 @@ def patch(
     exactly as it was. Patching a patched model replaces the previous patch.
 
     Args:
-        model: A timm ``VisionTransformer`` (or distilled DeiT) with a class token.
+        model: A timm ``VisionTransformer`` (or distilled DeiT). With a class token the
+            indicators score its attention row; without one, the mean attention each
+            patch receives (see README, "Models without a class token").
         config: A :class:`PruneConfig`; ``options`` override its fields.
         generator: Generator for ``indicator="random"`` (instead of ``seed``).
         **options: :class:`PruneConfig` fields: ``indicator``, ``keep_rate``, ``stages``,
@@ -130,22 +198,29 @@ def patch(
     cfg = _make_config(config, options)
     _check_model(model)
     cfg = cfg.resolve(len(model.blocks))
-    _check_blocks(model, cfg.stages)
+    plan = _swap_plan(model, cfg.stages)
+    _check_blocks(model, plan)
     gen = _make_generator(cfg, generator)
+    if cfg.overlap_stride is not None and not isinstance(model, VisionTransformer):
+        raise TypeError(f"overlap_stride is supported for VisionTransformer models only, not {_family(model).__name__}")
     if cfg.overlap_stride is not None:
         previous = model.__dict__.get(MODEL_ATTR)
         check_overlap(model, cfg.overlap_stride, None if previous is None else previous.overlap)
 
     unpatch(model)
-    state = PruneState(cfg, model.num_prefix_tokens, gen)
+    source = "cls" if getattr(model, "cls_token", None) is not None else "mean"
+    state = PruneState(cfg, model.num_prefix_tokens, gen, row_source=source)
     if cfg.overlap_stride is not None:
         state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
-    for number, index in enumerate(cfg.stages):
+    model.__class__ = PRUNE_MODELS[type(model)]
+    for index, (number, follow) in plan.items():
         block = model.blocks[index]
-        block.__class__ = PRUNE_BLOCKS[type(block)]
+        block.__class__ = _ALL_BLOCKS[type(block)]
         block.vitprune_state = state
         block.vitprune_stage = number
+        if _family(model) in FOLLOWING_BLOCKS:
+            block.vitprune_follow = follow
     return model
 
 
@@ -165,6 +240,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             for name in BLOCK_ATTRS:
                 block.__dict__.pop(name, None)
     model.__dict__.pop(MODEL_ATTR, None)
+    model.__class__ = _ORIGINAL_MODELS.get(type(model), type(model))
     return model
 
 

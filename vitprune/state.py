@@ -20,18 +20,26 @@ class PruneState:
         num_prefix: Tokens at the front that are never pruned.
         generator: The ``"random"`` indicator's generator, or ``None``.
         overlap: What the overlapping patch embedding replaced, or ``None``.
+        row_source: Where the scored attention row comes from (``attention.ROW_SOURCES``).
         positions: For the last forward, by stage number (0 for the first pruning block):
             ``(B, n)`` long tensor giving, for each non-prefix token after that stage, the
             index of the patch token it was when it entered the first block, or ``-1``
             for the fusion token.
+        sizes: For the last forward, ``(B, n)`` float tensor: how many original patches
+            each non-prefix token after the last stage that pruned stands for (1 for a
+            kept patch, the number merged for the fusion token), or ``None`` when nothing
+            was pruned. Average and attention pooling weight tokens by it.
     """
 
-    def __init__(self, config: PruneConfig, num_prefix: int, generator: Optional[torch.Generator]) -> None:
+    def __init__(self, config: PruneConfig, num_prefix: int, generator: Optional[torch.Generator],
+                 row_source: str = "cls") -> None:
         self.config = config
         self.num_prefix = num_prefix
         self.generator = generator
+        self.row_source = row_source
         self.overlap: Optional[OverlapRecord] = None
         self.positions: Dict[int, torch.Tensor] = {}
+        self.sizes: Optional[torch.Tensor] = None
 
     def scores(self, row: torch.Tensor) -> torch.Tensor:
         """``(B, N)`` float32 scores from the class attention row ``(B, H, N)``."""
@@ -43,11 +51,15 @@ class PruneState:
         """Apply pruning stage ``stage`` to tokens ``x`` given the class attention ``row``."""
         P = self.num_prefix
         B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
-        previous = self.positions.get(stage - 1) if stage > 0 else None
-        if stage == 0:
-            self.positions.clear()
+        if stage == 0:  # fresh objects, not reads of the last forward's: no torch.compile guards on them
+            self.positions = {}
+            self.sizes = None
+        previous = self.positions.get(stage - 1)
         if previous is None or previous.shape != (B, n):
             previous = torch.arange(n, device=x.device).expand(B, n)
+        sizes = self.sizes
+        if sizes is None or sizes.shape != (B, n):
+            sizes = x.new_ones((B, n), dtype=torch.float32)
 
         scores = self.scores(row)  # also at keep 1.0, so benchmarks there measure the scoring cost
         k = keep_count(self.config.keep_rate[stage], n)
@@ -56,9 +68,12 @@ class PruneState:
             return x
         x, sel = prune_tokens(x, scores, P, k, self.config.fuse, self.config.T)
         kept = gather_tokens(previous.unsqueeze(-1), sel.keep).squeeze(-1)
+        sizes_kept = sizes.gather(1, sel.keep)
         if x.shape[1] - P > k:
             kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
+            sizes_kept = torch.cat([sizes_kept, sizes.gather(1, sel.drop).sum(dim=1, keepdim=True)], dim=1)
         self.positions[stage] = kept
+        self.sizes = sizes_kept
         return x
 
     def kept_positions(self) -> List[torch.Tensor]:

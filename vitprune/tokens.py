@@ -7,6 +7,9 @@ from typing import NamedTuple, Tuple
 import torch
 
 
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch < 2.3 has none
+
+
 class Selection(NamedTuple):
     """Which of ``n`` tokens stay, per image.
 
@@ -23,11 +26,16 @@ def select_top(scores: torch.Tensor, k: int) -> Selection:
     """Split the tokens of every image into its ``k`` highest scores and the rest.
 
     Ties keep the earlier token (a stable sort), so the choice is deterministic.
-    Indices are never differentiated.
+    Indices are never differentiated. While ``torch.export`` traces (and so in ONNX
+    export, which has no stable sort) the order comes from ``topk``, whose tie order
+    is the backend's: exact ties in float scores are the only case where it differs.
     """
     if not 1 <= k <= scores.shape[1]:
         raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
-    order = scores.detach().sort(dim=1, descending=True, stable=True).indices
+    if _is_exporting():
+        order = scores.detach().topk(scores.shape[1], dim=1, sorted=True).indices
+    else:
+        order = scores.detach().sort(dim=1, descending=True, stable=True).indices
     keep = order[:, :k].sort(dim=1).values
     return Selection(keep=keep, drop=order[:, k:])
 

@@ -1,0 +1,109 @@
+"""The support matrix in README: every timm ViT family, on random weights.
+
+    python examples/support_matrix.py --out docs/support.md
+
+For each family's example model: whether ``vitprune.patch`` accepts it (or the reason it
+refuses), the largest absolute difference from the unpatched model with nothing pruned
+(keep rate 1.0 at the default stages, fp32, eval), and the measured inference speedup
+at keep rate 0.7 with ``var`` (CPU, batch --batch, median of --rounds interleaved rounds,
+pruned against unpruned in the same run) next to the FLOP ratio (fvcore counts). Writes a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import timm
+import torch
+from tqdm.auto import tqdm
+
+import vitprune
+from vitprune.bench import make_step, time_interleaved
+from vitprune.flops import count_flops, input_size
+from vitprune.report import markdown_table
+
+#: (family, example model, extra create_model arguments)
+FAMILIES: List[Tuple[str, str, Dict]] = [
+    ("ViT (Block)", "vit_small_patch16_224", {}),
+    ("DeiT, distilled (2 prefix tokens)", "deit_small_distilled_patch16_224", {}),
+    ("DeiT III (LayerScale)", "deit3_small_patch16_224", {}),
+    ("ResPostBlock, no class token, avg pool", "vit_base_patch16_rpn_224", {}),
+    ("ParallelThingsBlock", "vit_small_patch16_18x2_224", {}),
+    ("ParallelScalingBlock (RmsNorm, qk-norm)", "vit_base_patch16_xp_224", {}),
+    ("CLIP image tower", "vit_base_patch16_clip_224", {}),
+    ("DINOv2", "vit_small_patch14_dinov2", {"img_size": 224}),
+    ("DINOv2 with registers", "vit_small_patch14_reg4_dinov2", {"img_size": 224}),
+    ("hybrid (ResNet stem)", "vit_small_r26_s32_224", {}),
+    ("FlexiViT", "flexivit_small", {}),
+    ("global average pooling", "vit_base_patch16_gap_224", {}),
+    ("SigLIP, average pooling", "vit_base_patch16_siglip_gap_224", {}),
+    ("SigLIP, attention pool (map)", "vit_base_patch16_siglip_224", {}),
+    ("EVA-02 (rope, SwiGLU)", "eva02_small_patch14_224", {}),
+    ("rope ViT, mixed rope", "vit_small_patch16_rope_mixed_224", {}),
+    ("DINOv3 (rope, registers)", "vit_small_patch16_dinov3", {"img_size": 224}),
+    ("Perception Encoder (rope, map pool)", "vit_pe_core_small_patch16_384", {"img_size": 224}),
+    ("BEiT (relative position bias)", "beit_base_patch16_224", {}),
+    ("ViT relpos (no class token)", "vit_relpos_small_patch16_224", {}),
+    ("ViT relpos, res-post blocks", "vit_relpos_medium_patch16_rpn_224", {}),
+    ("NaFlexVit", "naflexvit_base_patch16_gap", {}),
+    ("Hiera", "hiera_tiny_224", {}),
+    ("XCiT", "xcit_nano_12_p16_224", {}),
+    ("SAM image encoder", "samvit_base_patch16", {"img_size": 256}),
+    ("CaiT", "cait_xxs24_224", {}),
+    ("Swin", "swin_tiny_patch4_window7_224", {}),
+]
+
+
+def measure(name: str, kwargs: Dict, batch: int, rounds: int) -> Dict:
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).eval()
+    try:
+        pruned = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=0.7)
+    except TypeError as error:
+        reason = str(error).split("; supported:")[0]
+        return {"supported": False, "reason": reason.split(": ", 1)[-1]}
+    x = torch.randn(batch, 3, *input_size(model, kwargs.get("img_size")), generator=torch.Generator().manual_seed(1))
+    equal = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=1.0)
+    with torch.no_grad():
+        error = (equal(x) - model(x)).abs().max().item()
+    seconds = time_interleaved({"unpruned": make_step(model, x, "infer", torch.float32),
+                                "pruned": make_step(pruned, x, "infer", torch.float32)},
+                               rounds=rounds, warmup=1, sync=lambda: None, progress=False)
+    return {"supported": True, "error": error, "speedup": seconds["unpruned"] / seconds["pruned"],
+            "ideal": count_flops(model) / count_flops(pruned),
+            "source": pruned.vitprune_state.row_source}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", nargs="*", default=None, help="example model names to run (default: all)")
+    parser.add_argument("--out", default=None, help="write the markdown table here")
+    args = parser.parse_args()
+    chosen = [f for f in FAMILIES if args.only is None or f[1] in args.only]
+    rows = []
+    for family, name, kwargs in tqdm(chosen, desc="families", file=sys.stderr):
+        result = measure(name, kwargs, args.batch, args.rounds)
+        if result["supported"]:
+            source = "class token row" if result["source"] == "cls" else "mean received attention"
+            rows.append([family, f"`{name}`", f"yes ({source})", f"{result['error']:.1e}",
+                         f"{result['speedup']:.2f}x (FLOPs {result['ideal']:.2f}x)"])
+        else:
+            rows.append([family, f"`{name}`", "no: " + result["reason"].replace("|", "/"), "-", "-"])
+    command = "python " + " ".join(sys.argv)
+    table = markdown_table(["family", "example model", "supported", "max abs error, keep 1.0",
+                            "speedup at keep 0.7"], rows)
+    text = (f"Command: `{command}` ({torch.get_num_threads()} CPU threads, batch {args.batch}, "
+            f"torch {torch.__version__}, timm {timm.__version__}, random weights)\n\n{table}\n")
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Every supported ViT family: nothing pruned == unpatched, pruning runs, unpatch restores.
+
+Models are shrunk (small images, few blocks) and use random weights. Families without a
+class token score the mean attention each patch receives; their pruning blocks use the
+explicit attention path, so they match the fused unpatched model to float tolerance.
+"""
+
+from functools import partial
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
+
+import vitprune
+
+tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
+
+FAMILIES = {
+    "ResPostBlock": lambda: tiny(block_fn=ResPostBlock),
+    "ParallelThingsBlock": lambda: tiny(block_fn=ParallelThingsBlock),
+    "ParallelScalingBlock": lambda: tiny(block_fn=ParallelScalingBlock),
+    "ParallelScalingBlock, no qkv bias": lambda: tiny(block_fn=ParallelScalingBlock, qkv_bias=False),
+    "ParallelScalingBlock, RmsNorm, qk-norm (xp)":
+        lambda: timm.create_model("vit_base_patch16_xp_224", img_size=64, depth=4),
+    "ParallelScalingBlock, register, gap (pwee)":
+        lambda: timm.create_model("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4),
+    "ResPostBlock, gap (rpn)": lambda: timm.create_model("vit_base_patch16_rpn_224", img_size=64, depth=4),
+    "CLIP tower": lambda: timm.create_model("vit_base_patch16_clip_224", img_size=64, depth=4),
+    "DINOv2": lambda: timm.create_model("vit_small_patch14_dinov2", img_size=56, depth=4),
+    "hybrid (ResNet stem)": lambda: timm.create_model("vit_tiny_r_s16_p8_224", img_size=128),
+    "flexivit": lambda: timm.create_model("flexivit_small", img_size=64, depth=4),
+    "gap, no class token": lambda: timm.create_model("vit_base_patch16_gap_224", img_size=64, depth=4),
+    "avgmax, no class token": lambda: tiny(class_token=False, global_pool="avgmax"),
+    "max, no class token": lambda: tiny(class_token=False, global_pool="max"),
+    "siglip gap": lambda: timm.create_model("vit_base_patch16_siglip_gap_224", img_size=64, depth=4),
+    "siglip map (attention pool)": lambda: timm.create_model("vit_base_patch16_siglip_224", img_size=64, depth=4),
+    "registers, no class token": lambda: timm.create_model("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4),
+    "Eva02 (rope, SwiGLU, avg pool)": lambda: timm.create_model("eva02_tiny_patch14_224", img_size=56, depth=4),
+    "rope ViT (AttentionRope)": lambda: timm.create_model("vit_small_patch16_rope_224", img_size=64, depth=4),
+    "mixed rope (per-head tables)": lambda: timm.create_model("vit_small_patch16_rope_mixed_224", img_size=64, depth=4),
+    "PE core (rope, map pool)": lambda: timm.create_model("vit_pe_core_tiny_patch16_384", img_size=64, depth=4),
+    "DINOv3 (rope, registers)": lambda: timm.create_model("vit_small_patch16_dinov3", img_size=64, depth=4),
+    "BEiT (relative position bias)": lambda: timm.create_model("beit_base_patch16_224", img_size=64, depth=4),
+    "relpos, no class token": lambda: timm.create_model("vit_relpos_small_patch16_224", img_size=64, depth=4),
+    "relpos, class token, token pool": lambda: timm.create_model("vit_relpos_base_patch16_cls_224", img_size=64, depth=4),
+    "relpos, res-post blocks": lambda: timm.create_model("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4),
+    "shared relpos": lambda: timm.create_model("vit_srelpos_small_patch16_224", img_size=64, depth=4),
+}
+
+
+def build(name):
+    torch.manual_seed(0)
+    return FAMILIES[name]().eval()
+
+
+def images(model, batch=3):
+    return torch.randn(batch, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(1))
+
+
+def all_blocks(model):
+    return tuple(range(len(model.blocks)))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("indicator", ["var", "medad"])
+def test_nothing_pruned_equals_unpatched(name, indicator):
+    model = build(name)
+    x = images(model)
+    with torch.no_grad():
+        expected = model(x)
+        vitprune.patch(model, indicator=indicator, keep_rate=1.0, stages=all_blocks(model))
+        got = model(x)
+    exact = model.cls_token is not None
+    torch.testing.assert_close(got, expected, **({} if exact else {"rtol": 1e-4, "atol": 1e-5}))
+    assert vitprune.get_config(model).stages == all_blocks(model)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_pruning_runs_and_unpatch_restores(name):
+    model = build(name)
+    x = images(model)
+    with torch.no_grad():
+        expected = model(x)
+        vitprune.patch(model, keep_rate=0.7)
+        pruned = model(x)
+        n = model.patch_embed.num_patches
+        positions = vitprune.kept_positions(model)
+        vitprune.unpatch(model)
+        restored = model(x)
+    assert pruned.shape == expected.shape and torch.isfinite(pruned).all()
+    assert not torch.equal(pruned, expected)  # something was pruned (some heads start near zero)
+    k = -(-7 * n // 10)
+    assert positions[0].shape == (3, k + 1) and (positions[0][:, -1] == -1).all()
+    torch.testing.assert_close(restored, expected, rtol=0, atol=0)
+    assert type(model) is type(build(name)) and not vitprune.is_patched(model)
+
+
+@pytest.mark.parametrize("name", ["gap, no class token", "siglip map (attention pool)", "registers, no class token"])
+def test_models_without_a_class_token_score_the_mean_received_attention(name):
+    model = vitprune.patch(build(name), keep_rate=0.5)
+    assert model.vitprune_state.row_source == "mean"
+    assert vitprune.patch(build("CLIP tower")).vitprune_state.row_source == "cls"
+
+
+def test_sizes_count_the_patches_each_token_stands_for():
+    model = vitprune.patch(build("gap, no class token"), keep_rate=(0.5, 0.5), stages=(1, 2))
+    with torch.no_grad():
+        model(images(model))
+    sizes = model.vitprune_state.sizes
+    n = model.patch_embed.num_patches  # 16 -> keep 8 + fusion of 8 (9 tokens) -> keep 5 + fusion
+    assert sizes.shape == (3, 6)
+    torch.testing.assert_close(sizes.sum(dim=1), torch.full((3,), float(n)))
+    assert set(sizes[:, :-1].unique().tolist()) <= {1.0, 8.0}  # a kept earlier fusion token holds 8
+    assert (sizes[:, -1] >= 4).all()
+
+
+@pytest.mark.parametrize("pool", ["avg", "avgmax"])
+def test_average_pooling_weights_tokens_by_patch_count(pool):
+    model = vitprune.patch(build("gap, no class token"), keep_rate=0.5, stages=(1, 2))
+    model.global_pool = pool
+    x = images(model)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        sizes = model.vitprune_state.sizes
+        # by hand: the fusion token counts as many times as the patches it holds
+        mean = sum(sizes[:, i, None] * features[:, i] for i in range(sizes.shape[1])) / sizes.sum(1, keepdim=True)
+        pooled = mean if pool == "avg" else 0.5 * (features.amax(dim=1) + mean)
+        expected = model.head(model.fc_norm(pooled))
+        torch.testing.assert_close(model.forward_head(features), expected)
+        torch.testing.assert_close(model(x), expected)
+
+
+@pytest.mark.parametrize("name", ["BEiT (relative position bias)", "relpos, no class token"])
+def test_inline_average_heads_weight_tokens_by_patch_count(name):
+    model = vitprune.patch(build(name), keep_rate=0.5, stages=(1, 2))
+    x = images(model)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        sizes = model.vitprune_state.sizes
+        tokens = features[:, model.num_prefix_tokens:]
+        pooled = (tokens * sizes[..., None]).sum(1) / sizes.sum(1, keepdim=True)
+        torch.testing.assert_close(model(x), model.head(model.fc_norm(pooled)))
+
+
+def test_log_size_bias_equals_repeating_the_token_in_attention_pooling():
+    pool = build("siglip map (attention pool)").attn_pool
+    tokens = torch.randn(2, 5, pool.latent.shape[-1])
+    repeated = torch.cat([tokens, tokens[:, -1:].expand(-1, 3, -1)], dim=1)  # last token 4 times
+    sizes = torch.tensor([1.0, 1, 1, 1, 4]).expand(2, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(pool(tokens, attn_mask=sizes.log()[:, None, None, :]), pool(repeated))
+
+
+def test_map_head_receives_the_log_size_bias():
+    model = vitprune.patch(build("siglip map (attention pool)"), keep_rate=0.5)
+    x = images(model)
+    with torch.no_grad():
+        features = model.forward_features(x)
+        sizes = model.vitprune_state.sizes
+        biased = model.attn_pool(features, attn_mask=sizes.log()[:, None, None, :])
+        plain = model.attn_pool(features)
+        out = model.forward_head(features, pre_logits=True)
+    torch.testing.assert_close(out, model.fc_norm(biased))
+    assert not torch.allclose(out, model.fc_norm(plain))
+
+
+def test_parallel_scaling_block_prunes_after_the_whole_block():
+    model = vitprune.patch(build("ParallelScalingBlock"), keep_rate=0.5, stages=(0,))
+    block, x = model.blocks[0], torch.randn(2, 17, 192)
+    with torch.no_grad():
+        out = block(x)
+        full = timm.models.vision_transformer.ParallelScalingBlock.forward(block, x)
+    keep = vitprune.kept_positions(model)[0][:, :-1]
+    assert out.shape == (2, 1 + 8 + 1, 192)
+    torch.testing.assert_close(out[:, 1:9], full[:, 1:].gather(1, keep[..., None].expand(-1, -1, 192)))
+
+
+def test_parallel_things_block_scores_the_heads_of_every_branch():
+    model = vitprune.patch(build("ParallelThingsBlock"), keep_rate=0.5, stages=(0,))
+    rows = []
+    for branch in model.blocks[0].attns:
+        branch.attn.register_forward_hook(lambda *a: None)  # the pruning block runs the branches itself
+    from vitprune import attention
+
+    original = attention.attention_with_row
+
+    def spy(attn, x, num_prefix, source="cls"):
+        out, row = original(attn, x, num_prefix, source)
+        rows.append(row)
+        return out, row
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("vitprune.blocks.attention_with_row", spy)
+        seen = []
+        mp.setattr(model.vitprune_state, "scores", lambda row: (seen.append(row), row.var(1))[1])
+        with torch.no_grad():
+            model(images(model))
+    assert len(rows) == 2 and seen[0].shape == (3, 2 * 3, 16)
+    torch.testing.assert_close(seen[0], torch.cat(rows, dim=1))

@@ -1,0 +1,61 @@
+"""Relative-position-bias models: each kept token keeps its own bias to every other one."""
+
+import contextlib
+from unittest import mock
+
+import pytest
+import timm
+import torch
+from timm.models.beit import Block as BeitBlock
+from timm.models.vision_transformer_relpos import RelPosBlock
+
+import vitprune
+from vitprune.relpos import follow_bias, token_index
+
+
+def test_follow_bias_gathers_rows_and_columns_and_zeroes_the_fusion_token():
+    bias = torch.arange(2 * 4 * 4, dtype=torch.float32).reshape(1, 2, 4, 4)  # 1 prefix + 3 patches
+    tokens = token_index(torch.tensor([[2, 0, -1]]), num_prefix=1, length=4)
+    assert tokens.tolist() == [[0, 3, 1, 4]]
+    got = follow_bias(bias, tokens)
+    assert got.shape == (1, 2, 4, 4)
+    torch.testing.assert_close(got[0, :, :3, :3], bias[0][:, [0, 3, 1]][:, :, [0, 3, 1]])
+    assert (got[0, :, 3] == 0).all() and (got[0, :, :, 3] == 0).all()
+
+
+CASES = {
+    "beit": (lambda: timm.create_model("beit_base_patch16_224", img_size=64, depth=4), BeitBlock,
+             lambda attn: "_get_rel_pos_bias", lambda attn: attn),
+    "relpos, class token": (lambda: timm.create_model("vit_relpos_base_patch16_clsgap_224", img_size=64, depth=4),
+                            RelPosBlock, lambda attn: "get_bias", lambda attn: attn.rel_pos),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_block_after_pruning_sees_each_kept_token_with_its_own_bias(case, fuse):
+    make, block_class, method, owner = CASES[case]
+    torch.manual_seed(0)
+    model = make().eval()
+    for name, param in model.named_parameters():  # LayerScale starts at 1e-5: let attention show
+        if name.endswith(("ls1.gamma", "ls2.gamma", "gamma_1", "gamma_2")):
+            param.data.fill_(1.0)
+    vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=fuse)
+    P, heads = model.num_prefix_tokens, model.blocks[0].attn.num_heads
+    L = P + model.patch_embed.num_patches
+    full = 3 * torch.randn(heads, L, L, generator=torch.Generator().manual_seed(2))  # a bias that matters
+    seen = {}
+    model.blocks[2].register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for block in model.blocks:
+            stack.enter_context(mock.patch.object(owner(block.attn), method(block.attn), lambda *a: full[None]))
+        model(torch.randn(2, 3, 64, 64))
+        for b, kept in enumerate(vitprune.kept_positions(model)[0]):
+            real = [p for p in kept.tolist() if p >= 0]
+            t = list(range(P)) + [P + p for p in real]
+            sub = torch.zeros(heads, len(kept) + P, len(kept) + P)
+            sub[:, :len(t), :len(t)] = full[:, t][:, :, t]  # a fusion token: zero bias
+            attn = model.blocks[2].attn
+            with mock.patch.object(owner(attn), method(attn), lambda *a: sub[None]):
+                expected = block_class.forward(model.blocks[2], seen["x"][b:b + 1])
+            torch.testing.assert_close(seen["out"][b:b + 1], expected)

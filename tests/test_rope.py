@@ -1,0 +1,67 @@
+"""Rope models: every kept token carries its own rotary embedding through pruning."""
+
+import pytest
+import timm
+import torch
+from timm.models.eva import EvaBlock
+
+import vitprune
+from vitprune.rope import follow_rope
+
+
+def test_follow_rope_gathers_rows_and_gives_the_fusion_token_no_rotation():
+    rope = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)  # 4 patches, sin|cos of width 3
+    positions = torch.tensor([[2, 0, -1], [3, 1, -1]])
+    got = follow_rope(rope, positions)
+    assert got.shape == (2, 1, 3, 6)
+    torch.testing.assert_close(got[0, 0, :2], rope[[2, 0]])
+    torch.testing.assert_close(got[1, 0, :2], rope[[3, 1]])
+    torch.testing.assert_close(got[:, 0, 2], torch.tensor([[0.0, 0, 0, 1, 1, 1]] * 2))
+
+
+def test_follow_rope_per_head_and_per_image_tables():
+    per_head = torch.randn(3, 4, 6)  # (heads, N, E), as mixed rope hands each block
+    positions = torch.tensor([[1, 3], [0, 2]])
+    got = follow_rope(per_head, positions)
+    assert got.shape == (2, 3, 2, 6)
+    torch.testing.assert_close(got[1], per_head[:, [0, 2]])
+    per_image = torch.randn(2, 1, 4, 6)  # (B, 1, N, E), after patch dropout
+    got = follow_rope(per_image, positions)
+    torch.testing.assert_close(got[0, 0], per_image[0, 0, [1, 3]])
+    torch.testing.assert_close(got[1, 0], per_image[1, 0, [0, 2]])
+
+
+@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "vit_small_patch16_rope_mixed_224"])
+def test_a_block_after_pruning_sees_each_kept_token_with_its_own_rope(name):
+    torch.manual_seed(0)
+    size = 56 if "eva02" in name else 64
+    model = timm.create_model(name, img_size=size, depth=4).eval()
+    vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=False)
+    seen = {}
+    model.blocks[2].register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], out=out),
+                                          with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randn(2, 3, size, size))
+        rope = model.rope.get_embed()
+        if model.rope_mixed:
+            rope = rope[2]
+        kept = vitprune.kept_positions(model)[0]
+        for b in range(2):  # timm's own block on one image's kept tokens and their own rope rows
+            rows = rope[..., kept[b], :]
+            expected = EvaBlock.forward(model.blocks[2], seen["x"][b:b + 1], rope=rows)
+            torch.testing.assert_close(seen["out"][b:b + 1], expected)
+            shuffled = EvaBlock.forward(model.blocks[2], seen["x"][b:b + 1], rope=rope[..., :kept.shape[1], :])
+            assert not torch.allclose(shuffled, expected)  # the test can tell a rope that did not follow
+
+
+def test_eva_refuses_overlap_and_unpatch_restores_every_block():
+    torch.manual_seed(0)
+    model = timm.create_model("eva02_tiny_patch14_224", img_size=56, depth=4)
+    with pytest.raises(TypeError, match="overlap_stride is supported for VisionTransformer models only"):
+        vitprune.patch(model, overlap_stride=7)
+    assert not vitprune.is_patched(model)
+    vitprune.patch(model, keep_rate=0.5)  # stages (1, 2, 3): blocks 1-3 swapped, block 0 not
+    assert [type(b).__name__ for b in model.blocks] == ["EvaBlock"] + ["PruneEvaBlock"] * 3
+    assert [b.vitprune_follow for b in model.blocks[1:]] == [None, 0, 1]
+    vitprune.unpatch(model)
+    assert all(type(b) is EvaBlock and "vitprune_follow" not in vars(b) for b in model.blocks)

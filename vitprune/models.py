@@ -1,0 +1,132 @@
+"""Pruning versions of timm's ViT model classes, swapped in by class like the blocks.
+
+They change two methods, and only while a forward pruned something:
+
+- ``pool``: average pooling weights every token by the number of original patches it
+  stands for (``PruneState.sizes``; the fusion token holds all it merged), so the
+  pooled feature stays a mean over patches. Attention pooling (``global_pool="map"``)
+  gets the same weighting as an additive ``log(size)`` on its attention logits, which
+  is exactly the softmax of the unpruned tokens with the fused ones collapsed into one
+  key of that multiplicity. Token, max and no pooling are unchanged.
+- ``forward_intermediates``: refuses ``output_fmt="NCHW"`` for blocks at or after the
+  first pruning stage (those outputs are no longer a full grid); ``"NLC"`` works.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Dict
+
+import torch
+from timm.models._features import feature_take_indices
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.beit import Beit
+from timm.models.eva import Eva
+from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+
+from .config import keep_count
+
+
+class _PrunedModel:
+    def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
+        state = self.__dict__.get("vitprune_state")
+        sizes = None if state is None else state.sizes
+        if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix_tokens):
+            return None
+        return sizes
+
+    def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
+        sizes = self._vitprune_sizes(x)
+        pool_type = self.global_pool if pool_type is None else pool_type
+        weighted = self.attn_pool is not None or pool_type in ("avg", "avgmax")
+        if sizes is None or not weighted:
+            return super().pool(x, pool_type)
+        P = self.num_prefix_tokens
+        include = self._vitprune_pool_prefix()
+        tokens = x if include else x[:, P:]
+        if include:
+            sizes = torch.cat([sizes.new_ones(sizes.shape[0], P), sizes], dim=1)
+        if self.attn_pool is not None:
+            return self.attn_pool(tokens, attn_mask=sizes.log().to(x.dtype)[:, None, None, :])
+        weights = sizes.to(x.dtype).unsqueeze(-1)
+        mean = (tokens * weights).sum(dim=1) / weights.sum(dim=1)
+        return mean if pool_type == "avg" else 0.5 * (tokens.amax(dim=1) + mean)
+
+    def _vitprune_pool_prefix(self) -> bool:
+        """Whether pooling reads the prefix tokens too (timm's ``pool_include_prefix``)."""
+        return bool(getattr(self, "pool_include_prefix", False))
+
+    def forward_intermediates(self, *args: Any, **kwargs: Any):
+        bound = inspect.signature(super().forward_intermediates).bind(*args, **kwargs)
+        bound.apply_defaults()
+        options: Dict[str, Any] = bound.arguments
+        first = self._vitprune_first_pruning_block(options["x"])
+        if options["output_fmt"] == "NCHW" and first is not None:
+            take, _ = feature_take_indices(len(self.blocks), options["indices"])
+            late = sorted(i for i in take if i >= first)
+            if late:
+                raise ValueError(
+                    f"vitprune: blocks {late} run after pruning starts at block {first}, so their "
+                    "tokens are no longer a full grid and cannot be returned as NCHW; pass "
+                    f"output_fmt='NLC', take only blocks before {first}, or unpatch the model"
+                )
+        return super().forward_intermediates(*args, **kwargs)
+
+    def _vitprune_first_pruning_block(self, images: torch.Tensor) -> "int | None":
+        """The first block that drops tokens for images of this size, or ``None``."""
+        config = self.vitprune_state.config
+        n = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:])) if getattr(
+            self.patch_embed, "dynamic_img_size", False) else self.patch_embed.grid_size
+        n = int(n[0]) * int(n[1])
+        for index, rate in zip(config.stages, config.keep_rate):
+            if keep_count(rate, n) < n:
+                return index
+            n = keep_count(rate, n)
+        return None
+
+
+class PruneVisionTransformer(_PrunedModel, VisionTransformer):
+    """timm ``VisionTransformer`` while patched (see the module docs)."""
+
+
+class PruneVisionTransformerDistilled(_PrunedModel, VisionTransformerDistilled):
+    """timm ``VisionTransformerDistilled`` while patched (token pooling only)."""
+
+
+class PruneEva(_PrunedModel, Eva):
+    """timm ``Eva`` while patched: its attention pool reads all tokens, prefix included."""
+
+    def _vitprune_pool_prefix(self) -> bool:
+        return self.attn_pool is not None
+
+
+class _MeanPoolingHead:
+    """For models whose ``forward_head`` averages inline (BEiT, relpos): the same, size-weighted."""
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        sizes = self._vitprune_sizes(x)
+        if sizes is None or self.global_pool != "avg":
+            return super().forward_head(x, pre_logits)
+        weights = sizes.to(x.dtype).unsqueeze(-1)
+        x = (x[:, self.num_prefix_tokens:] * weights).sum(dim=1) / weights.sum(dim=1)
+        x = self.head_drop(self.fc_norm(x))
+        return x if pre_logits else self.head(x)
+
+
+class PruneBeit(_MeanPoolingHead, _PrunedModel, Beit):
+    """timm ``Beit`` while patched."""
+
+
+class PruneVisionTransformerRelPos(_MeanPoolingHead, _PrunedModel, VisionTransformerRelPos):
+    """timm ``VisionTransformerRelPos`` while patched."""
+
+
+#: Original model class -> its patched subclass.
+PRUNE_MODELS: Dict[type, type] = {
+    VisionTransformer: PruneVisionTransformer,
+    VisionTransformerDistilled: PruneVisionTransformerDistilled,
+    Eva: PruneEva,
+    Beit: PruneBeit,
+    VisionTransformerRelPos: PruneVisionTransformerRelPos,
+}
