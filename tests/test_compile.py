@@ -1,5 +1,6 @@
 """torch.compile sees one graph and gives the eager outputs (a small model keeps this quick)."""
 
+import pytest
 import timm
 import torch
 from torch.testing import assert_close
@@ -7,6 +8,7 @@ from torch.testing import assert_close
 import vitprune
 
 
+@pytest.mark.slow
 def test_compiled_patched_model_matches_eager_without_graph_breaks():
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
@@ -23,6 +25,7 @@ def test_compiled_patched_model_matches_eager_without_graph_breaks():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_compiled_model_does_not_recompile_across_batches_of_one_shape():
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()

@@ -83,3 +83,15 @@ def test_fit_keep_rate_with_custom_stages_and_no_fusion(deit_small):
     rate = fit_keep_rate(deit_small, 3.0, stages=(2, 4), fuse=False)
     config = vitprune.PruneConfig(keep_rate=rate, stages=(2, 4), fuse=False)
     assert schedule_flops(deit_small, config) <= 3e9
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("vit_base_patch16_xp_224", {"img_size": 64, "depth": 2}),  # ParallelScalingBlock
+    ("vit_tiny_r_s16_p8_224", {"img_size": 64}),  # CNN stem
+    ("eva02_tiny_patch14_224", {"img_size": 56, "depth": 2}),
+])
+def test_analytic_flops_refuses_models_its_formula_does_not_describe(name, kwargs):
+    model = timm.create_model(name, **kwargs)
+    with pytest.raises(TypeError, match="use vitprune.count_flops"):
+        vitprune.analytic_flops(model)
+    assert vitprune.count_flops(model) > 0

@@ -18,6 +18,7 @@ def images(batch=2, size=64, seed=1):
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 def test_torch_export_reproduces_eager():
     model, x = vitprune.patch(small(), keep_rate=0.7), images()
     with torch.no_grad():
@@ -29,6 +30,7 @@ def test_torch_export_reproduces_eager():
         torch.testing.assert_close(exported.module()(other), model(other))
 
 
+@pytest.mark.slow
 def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

@@ -153,7 +153,8 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> i
         from fvcore.nn import FlopCountAnalysis
 
     param = next(model.parameters())
-    x = torch.zeros(1, model.patch_embed.proj.in_channels, *input_size(model, img_size),
+    channels = next(m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d))  # the stem's input
+    x = torch.zeros(1, channels, *input_size(model, img_size),
                     dtype=param.dtype, device=param.device)
     was_training = model.training
     model.eval()
