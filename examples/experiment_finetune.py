@@ -2,13 +2,13 @@
 
     python examples/experiment_finetune.py --checkpoints runs/*_seed*.pt
 
-From each trained checkpoint: a short fine-tune (150 steps, peak learning rate 2e-4,
+From each trained checkpoint: a short fine-tune (100 steps, peak learning rate 2e-4,
 the training recipe of train_small_vit.py otherwise) with pruning active, for var,
 medad, cls, random and lowvar at keep rates 0.7 and 0.5, and for the unpruned model
 fine-tuned the same way (the fair baseline). Experiment (d) rides along: var and medad
 with overlapping patches at the stride and keep rate ``vitprune.fit_overlap`` picks for
 the unpruned model's FLOPs (matched FLOPs), fine-tuned the same way, and also scored
-before fine-tuning. Full test split. Writes docs/results/finetune.json and
+before fine-tuning. Test split (or its first ``--limit`` images). Writes docs/results/finetune.json and
 docs/finetune.md.
 """
 
@@ -31,7 +31,7 @@ from vitprune.report import markdown_table, percent, summarise
 INDICATORS = ("var", "medad", "cls", "random", "lowvar")
 KEEP_RATES = (0.7, 0.5)
 OVERLAP_INDICATORS = ("var", "medad")
-STEPS, LR, WARMUP = 150, 2e-4, 15
+STEPS, LR, WARMUP = 100, 2e-4, 10
 
 
 def settings(base):
@@ -53,7 +53,7 @@ def main() -> None:
         args = parser.parse_args()
         rows, commands = merge_results(args.merge)
         command = save_results(args.docs, "finetune", rows, commands)
-        return write_docs(Path(args.docs), rows, commands)
+        return write_docs(Path(args.docs), rows, commands + [command])
     args, models, test = experiment_inputs(__doc__)
     rows = run(models, test)
     command = save_results(args.docs, "finetune", rows)
@@ -84,8 +84,9 @@ def write_docs(docs: Path, rows, commands) -> None:
     plain = [r for r in rows if r["overlap_stride"] is None]
     summary = summarise(plain, ["dataset", "indicator", "keep_rate", "gflops"])
     parts = ["# Fine-tuned with pruning active\n\nCommand(s):\n\n" + "".join(f"    {c}\n" for c in commands),
-             f"{STEPS} steps from each trained checkpoint (peak lr {LR}); top-1 accuracy (%) on the full "
-             "test split, mean ± standard deviation over the trained seeds.\n"]
+             f"{STEPS} steps from each trained checkpoint (peak lr {LR}); top-1 accuracy (%) on the test "
+             "split (its first `--limit` images where the command says so), mean ± standard deviation over "
+             "the trained seeds.\n"]
     for dataset in dict.fromkeys(s["dataset"] for s in summary):
         cells = [s for s in summary if s["dataset"] == dataset]
         table = [[c["indicator"], f"{c['keep_rate']:g}", f"{1000 * c['gflops']:.1f}", percent(c["mean"], c["std"], c["n"])]

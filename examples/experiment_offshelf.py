@@ -4,8 +4,8 @@
 
 For every checkpoint (one trained model per dataset and seed): indicators var, medad,
 cls (EViT), random and lowvar (the falsifier: keep the patches the heads agree on) at
-keep rates 0.9 to 0.3, with the fusion token; var, medad and cls also without it. Full
-Fashion-MNIST test split (10,000 images, or their cluttered versions). Writes
+keep rates 0.9 to 0.3, with the fusion token; var, medad and cls also without it. The
+Fashion-MNIST test split (10,000 images, or their cluttered versions; --limit N: the first N). Writes
 docs/results/offshelf.json, docs/offshelf.md and docs/offshelf.png.
 """
 
@@ -58,7 +58,8 @@ def main() -> None:
 
 def write_markdown(summary, path: Path, command: str) -> None:
     parts = [f"# Off the shelf: pruning without fine-tuning\n\nCommand: `{command}`\n",
-             "Top-1 accuracy (%) on the full test split, mean ± standard deviation over the "
+             "Top-1 accuracy (%) on the test split (its first `--limit` images where the command says "
+             "so), mean ± standard deviation over the "
              "trained seeds (n per cell below); blocks (1, 3, 4) of 6 prune.\n"]
     for dataset in dict.fromkeys(s["dataset"] for s in summary):
         base = next(s for s in summary if s["dataset"] == dataset and s["indicator"] == "unpruned")

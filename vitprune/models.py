@@ -2,12 +2,12 @@
 
 They change two methods, and only while a forward pruned something:
 
-- ``pool``: average pooling weights every token by the number of original patches it
-  stands for (``PruneState.sizes``; the fusion token holds all it merged), so the
-  pooled feature stays a mean over patches. Attention pooling (``global_pool="map"``)
-  gets the same weighting as an additive ``log(size)`` on its attention logits, which
-  is exactly the softmax of the unpruned tokens with the fused ones collapsed into one
-  key of that multiplicity. Token, max and no pooling are unchanged.
+- ``pool`` (``forward_head`` for BEiT and relpos, which average inline): average pooling
+  weights every token by the number of original patches it stands for
+  (``PruneState.sizes``; the fusion token holds all it merged), so the pooled feature
+  stays a mean over patches. Attention pooling (``global_pool="map"``) gets the same
+  weighting as an additive ``log(size)`` on its attention logits, which equals attending
+  to that token repeated ``size`` times. Token, max and no pooling are unchanged.
 - ``forward_intermediates``: refuses ``output_fmt="NCHW"`` for blocks at or after the
   first pruning stage (those outputs are no longer a full grid); ``"NLC"`` works.
 """
@@ -19,8 +19,8 @@ from typing import Any, Dict
 
 import torch
 from timm.models._features import feature_take_indices
-from timm.models.deit import VisionTransformerDistilled
 from timm.models.beit import Beit
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.eva import Eva
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_relpos import VisionTransformerRelPos
@@ -80,9 +80,8 @@ class _PrunedModel:
             self.patch_embed, "dynamic_img_size", False) else self.patch_embed.grid_size
         n = int(n[0]) * int(n[1])
         for index, rate in zip(config.stages, config.keep_rate):
-            if keep_count(rate, n) < n:
+            if keep_count(rate, n) < n:  # until a stage prunes, every stage sees all n patches
                 return index
-            n = keep_count(rate, n)
         return None
 
 
