@@ -134,8 +134,7 @@ def attention_with_row(
     B, L, _ = x.shape
     gate_layer = getattr(attn, "gate", None)
     gate = gate_layer(x).sigmoid() if gate_layer is not None else None
-    qkv = attn.qkv(x).reshape(B, L, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    q, k, v = project_qkv(attn, x)
     q, k = attn.q_norm(q), attn.k_norm(k)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
                       num_prefix=num_prefix, source=source)

@@ -57,15 +57,15 @@ class PruneState:
         previous = self.positions.get(stage - 1)
         if previous is None or previous.shape != (B, n):
             previous = torch.arange(n, device=x.device).expand(B, n)
-        sizes = self.sizes
-        if sizes is None or sizes.shape != (B, n):
-            sizes = x.new_ones((B, n), dtype=torch.float32)
 
         scores = self.scores(row)  # also at keep 1.0, so benchmarks there measure the scoring cost
         k = keep_count(self.config.keep_rate[stage], n)
         if k == n:
             self.positions[stage] = previous
             return x
+        sizes = self.sizes
+        if sizes is None or sizes.shape != (B, n):
+            sizes = x.new_ones((B, n), dtype=torch.float32)
         x, sel = prune_tokens(x, scores, P, k, self.config.fuse, self.config.T)
         kept = gather_tokens(previous.unsqueeze(-1), sel.keep).squeeze(-1)
         sizes_kept = sizes.gather(1, sel.keep)
