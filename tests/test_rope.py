@@ -65,3 +65,10 @@ def test_eva_refuses_overlap_and_unpatch_restores_every_block():
     assert [b.vitprune_follow for b in model.blocks[1:]] == [None, 0, 1]
     vitprune.unpatch(model)
     assert all(type(b) is EvaBlock and "vitprune_follow" not in vars(b) for b in model.blocks)
+
+
+def test_blocks_after_pruning_refuse_attention_masks():
+    torch.manual_seed(0)
+    model = vitprune.patch(timm.create_model("eva02_tiny_patch14_224", img_size=56, depth=4), keep_rate=0.5)
+    with pytest.raises(ValueError, match="cannot apply attn_mask or is_causal"):
+        model.forward_features(torch.randn(1, 3, 56, 56), is_causal=True)

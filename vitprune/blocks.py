@@ -22,11 +22,12 @@ from .state import PruneState
 BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow")
 
 
-def _refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+def refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
     if attn_mask is not None or is_causal:
         raise ValueError(
-            "vitprune: a pruning block cannot apply attn_mask or is_causal, because the "
-            "mask no longer matches the tokens after pruning; unpatch the model to use masks"
+            "vitprune: a pruning block (or, in rope models, any block after one) cannot apply "
+            "attn_mask or is_causal, because the mask no longer matches the tokens after pruning; "
+            "unpatch the model to use masks"
         )
 
 
@@ -44,12 +45,27 @@ class _Pruning:
         return self.vitprune_state.prune(x, row, self.vitprune_stage)
 
 
+class Following:
+    """Rope and bias-family blocks, swapped from the first stage on (set by ``patch``)."""
+
+    vitprune_state: PruneState
+    vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows
+    vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
+
+    def _followed_positions(self) -> Optional[torch.Tensor]:
+        """``(B, n)`` original patch index of each incoming non-prefix token (``-1``: fusion),
+        or ``None`` before the first stage."""
+        if self.vitprune_follow is None:
+            return None
+        return self.vitprune_state.positions[self.vitprune_follow]
+
+
 class PruneBlock(_Pruning, Block):
     """timm ``Block`` (pre-norm) that prunes tokens between its attention and its MLP."""
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         out, row = self._attend(self.attn, self.norm1(x))
         x = self._prune(x + self.drop_path1(self.ls1(out)), row)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
@@ -60,7 +76,7 @@ class PruneResPostBlock(_Pruning, ResPostBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         out, row = self._attend(self.attn, x)
         x = self._prune(x + self.drop_path1(self.norm1(out)), row)
         return x + self.drop_path2(self.norm2(self.mlp(x)))
@@ -72,7 +88,7 @@ class PruneParallelThingsBlock(_Pruning, ParallelThingsBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         outs, rows = [], []
         for branch in self.attns:
             out, row = self._attend(branch.attn, branch.norm(x))
@@ -88,7 +104,7 @@ class PruneParallelScalingBlock(_Pruning, ParallelScalingBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        _refuse_masks(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         state = self.vitprune_state
         x, row = parallel_scaling_with_row(self, x, state.num_prefix, state.row_source)
         return self._prune(x, row)

@@ -17,7 +17,7 @@ from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, ResPostRelPosBlock
 
 from .attention import attend, project_qkv
-from .state import PruneState
+from .blocks import Following
 
 #: The attention classes of bias blocks that the swapped blocks know how to run.
 BIAS_ATTENTION = (BeitAttention, RelPosAttention)
@@ -70,19 +70,14 @@ def bias_attention_with_row(attn: torch.nn.Module, x: torch.Tensor, bias: Option
     return attn.proj_drop(attn.proj(out.transpose(1, 2).reshape(B, N, C))), row
 
 
-class _BiasFollowing:
-    """Set by ``patch`` on every bias block from the first stage on."""
-
-    vitprune_state: PruneState
-    vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows
-    vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
+class _BiasFollowing(Following):
+    """Bias-family blocks from the first stage on."""
 
     def _attend(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         state = self.vitprune_state
-        bias = full_bias(self.attn, shared)
-        if bias is not None and self.vitprune_follow is not None:
-            tokens = token_index(state.positions[self.vitprune_follow], state.num_prefix, bias.shape[-1])
-            bias = follow_bias(bias, tokens)
+        bias, positions = full_bias(self.attn, shared), self._followed_positions()
+        if bias is not None and positions is not None:
+            bias = follow_bias(bias, token_index(positions, state.num_prefix, bias.shape[-1]))
         return bias_attention_with_row(self.attn, x, bias, state.num_prefix, state.row_source)
 
     def _prune(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from timm.layers import AttentionRope, apply_rot_embed_cat
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 
 from .attention import attend, project_qkv
-from .state import PruneState
+from .blocks import Following, refuse_masks
 
 #: The attention classes of Eva blocks that pruning blocks know how to run.
 ROPE_ATTENTION = (EvaAttention, AttentionRope)
@@ -77,22 +77,12 @@ def rope_attention_with_row(
     return attn.proj_drop(attn.proj(out)), row
 
 
-class _RopeFollowing:
-    """Set by ``patch`` on every Eva block from the first stage on."""
-
-    vitprune_state: PruneState
-    vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows
-    vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
-
-    def _check(self, attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
-        if attn_mask is not None or is_causal:
-            raise ValueError("vitprune: blocks at or after a pruning stage cannot apply attn_mask or is_causal "
-                             "(the mask no longer matches the tokens); unpatch the model to use masks")
+class _RopeFollowing(Following):
+    """Eva blocks from the first stage on."""
 
     def _rope(self, rope: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if rope is None or self.vitprune_follow is None:
-            return rope
-        return follow_rope(rope, self.vitprune_state.positions[self.vitprune_follow])
+        positions = self._followed_positions()
+        return rope if rope is None or positions is None else follow_rope(rope, positions)
 
 
 class PruneEvaBlock(_RopeFollowing, EvaBlock):
@@ -100,7 +90,7 @@ class PruneEvaBlock(_RopeFollowing, EvaBlock):
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        self._check(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         rope = self._rope(rope)
         if self.vitprune_stage is None:
             return EvaBlock.forward(self, x, rope=rope)
@@ -120,7 +110,7 @@ class PruneEvaBlockPostNorm(_RopeFollowing, EvaBlockPostNorm):
 
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-        self._check(attn_mask, is_causal)
+        refuse_masks(attn_mask, is_causal)
         rope = self._rope(rope)
         if self.vitprune_stage is None:
             return EvaBlockPostNorm.forward(self, x, rope=rope)
