@@ -28,6 +28,12 @@ from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 from .config import keep_count
 
 
+def size_weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """Mean over the token axis of ``(B, n, C)`` tokens, each counted ``sizes`` ``(B, n)`` times."""
+    weights = sizes.to(tokens.dtype).unsqueeze(-1)
+    return (tokens * weights).sum(dim=1) / weights.sum(dim=1)
+
+
 class _PrunedModel:
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
         state = self.__dict__.get("vitprune_state")
@@ -49,8 +55,7 @@ class _PrunedModel:
             sizes = torch.cat([sizes.new_ones(sizes.shape[0], P), sizes], dim=1)
         if self.attn_pool is not None:
             return self.attn_pool(tokens, attn_mask=sizes.log().to(x.dtype)[:, None, None, :])
-        weights = sizes.to(x.dtype).unsqueeze(-1)
-        mean = (tokens * weights).sum(dim=1) / weights.sum(dim=1)
+        mean = size_weighted_mean(tokens, sizes)
         return mean if pool_type == "avg" else 0.5 * (tokens.amax(dim=1) + mean)
 
     def _vitprune_pool_prefix(self) -> bool:
@@ -107,8 +112,7 @@ class _MeanPoolingHead:
         sizes = self._vitprune_sizes(x)
         if sizes is None or self.global_pool != "avg":
             return super().forward_head(x, pre_logits)
-        weights = sizes.to(x.dtype).unsqueeze(-1)
-        x = (x[:, self.num_prefix_tokens:] * weights).sum(dim=1) / weights.sum(dim=1)
+        x = size_weighted_mean(x[:, self.num_prefix_tokens:], sizes)
         x = self.head_drop(self.fc_norm(x))
         return x if pre_logits else self.head(x)
 

@@ -73,7 +73,7 @@ def bias_attention_with_row(attn: torch.nn.Module, x: torch.Tensor, bias: Option
 class _BiasFollowing(Following):
     """Bias-family blocks from the first stage on."""
 
-    def _attend(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _attend(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         state = self.vitprune_state
         bias, positions = full_bias(self.attn, shared), self._followed_positions()
         if bias is not None and positions is not None:
