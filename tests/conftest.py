@@ -28,6 +28,16 @@ def image_batch(model: torch.nn.Module, batch: int = 2, seed: int = 1) -> torch.
     return torch.randn(batch, 3, *model.patch_embed.img_size, generator=generator)
 
 
+#: The paper's method (its three stages, top-scored tokens kept, one fusion token, plain
+#: attention), for the tests that check it rather than the library's defaults.
+PAPER = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
+
+
+def paper(**options):
+    """``PAPER`` with ``options`` overriding it (for example other stages)."""
+    return {**PAPER, **options}
+
+
 @pytest.fixture
 def tiny() -> torch.nn.Module:
     return make_model("deit_tiny")

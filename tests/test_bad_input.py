@@ -51,7 +51,7 @@ def test_a_failed_repatch_keeps_the_previous_patch(tiny, options, error, match):
     (lambda: "deit_small_patch16_224", "torch.nn.Module"),
     (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="prr"), "got .prr.: this pooling"),
     (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=DiffParallelScalingBlock),
-     "block 3 is a DiffParallelScalingBlock; vitprune can prune in: Block, ResPostBlock"),
+     "block 0 is a DiffParallelScalingBlock; vitprune can prune in: Block, ResPostBlock"),
     (lambda: timm.create_model("deit_tiny_patch16_224", attn_layer="diff"), "attention DiffAttention"),
     (lambda: timm.create_model("naflexvit_base_patch16_gap", depth=2), "NaFlexVit: it packs"),
     (lambda: timm.create_model("hiera_tiny_224"), "Hiera: it is hierarchical"),

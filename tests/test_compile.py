@@ -6,13 +6,21 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
+from conftest import paper
+
+
+#: The paper's fusion token, the defaults (bipartite merge, size-aware), bipartite keeping fewer
+#: than half (evenly spaced destinations), and score-guided merging.
+MODES = [paper(stages=(1, 2)), {}, dict(keep_rate=0.3), dict(selection="redundant", stages=(1, 2)),
+         dict(selection="top", reduction="drop", stages="all", keep_rate=0.9)]
 
 
 @pytest.mark.slow
-def test_compiled_patched_model_matches_eager_without_graph_breaks():
+@pytest.mark.parametrize("options", MODES, ids=str)
+def test_compiled_patched_model_matches_eager_without_graph_breaks(options):
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
-    vitprune.patch(model, indicator="medad", keep_rate=0.6, stages=(1, 2))
+    vitprune.patch(model, indicator="medad", **{"keep_rate": 0.6, **options})
     x = torch.randn(3, 3, 64, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break raises

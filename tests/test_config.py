@@ -13,7 +13,7 @@ def test_default_stages_scale_with_depth(depth, expected):
 
 
 def test_resolve_fills_stages_and_per_stage_rates():
-    cfg = PruneConfig(keep_rate=0.6).resolve(12)
+    cfg = PruneConfig(keep_rate=0.6, stages=None).resolve(12)
     assert cfg.stages == (3, 6, 9) and cfg.keep_rate == (0.6, 0.6, 0.6)
     cfg = PruneConfig(keep_rate=[0.9, 0.8], stages=[2, 5]).resolve(8)
     assert cfg.stages == (2, 5) and cfg.keep_rate == (0.9, 0.8)
@@ -58,4 +58,36 @@ def test_resolve_rejects_stages_beyond_the_model():
 
 def test_resolve_rejects_rates_that_do_not_fit_the_default_stages():
     with pytest.raises(ValueError, match="pass stages explicitly"):
-        PruneConfig(keep_rate=(0.7, 0.7)).resolve(12)
+        PruneConfig(keep_rate=(0.7, 0.7), stages=None).resolve(12)
+    with pytest.raises(ValueError, match="pass stages explicitly"):  # spread is matched to the paper's stages
+        PruneConfig(keep_rate=(0.7, 0.7)).resolve(12, 196)
+    with pytest.raises(ValueError, match="pass num_patches"):
+        PruneConfig(keep_rate=0.7).resolve(12)
+
+
+def tokens_summed(rates, stages, depth, n, fuse=False):
+    """By hand: tokens through every block's attention and MLP."""
+    total = 0
+    for index in range(depth):
+        total += n
+        if index in stages:
+            k = math.ceil(round(rates[stages.index(index)] * n, 9))
+            n = k + 1 if fuse and k < n else k
+        total += n
+    return total
+
+
+@pytest.mark.parametrize("keep, depth, n", [(0.7, 12, 196), (0.5, 12, 196), (0.9, 6, 49), (0.3, 24, 256)])
+def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth, n):
+    cfg = PruneConfig(keep_rate=keep).resolve(depth, n)
+    rate = cfg.keep_rate[0]
+    assert cfg.stages == tuple(range(depth)) and cfg.keep_rate == (rate,) * depth
+    paper = PruneConfig(keep_rate=keep, stages=None).resolve(depth)
+    budget = tokens_summed(paper.keep_rate, paper.stages, depth, n)
+    every = list(range(depth))
+    reached = tokens_summed([rate] * depth, every, depth, n)
+    assert reached <= budget
+    # the next rate that keeps one more token somewhere goes over the paper's count
+    step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
+                if tokens_summed([r] * depth, every, depth, n) != reached)
+    assert tokens_summed([step] * depth, every, depth, n) > budget

@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from conftest import MODEL_FACTORIES, image_batch, make_model
+from conftest import MODEL_FACTORIES, image_batch, make_model, paper
 
 
 @pytest.mark.parametrize("name", list(MODEL_FACTORIES))
@@ -58,5 +58,5 @@ def test_dynamic_img_size_equivalence_and_pruning():
         expected = model(x)
         vitprune.patch(model, keep_rate=1.0)
         assert_close(model(x), expected)
-        vitprune.patch(model, keep_rate=0.5, stages=(2,))
+        vitprune.patch(model, keep_rate=0.5, **paper(stages=(2,)))
         assert model.forward_features(x).shape == (2, 1 + 30 + 1, model.embed_dim)

@@ -13,6 +13,7 @@ import torch
 from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
 
 import vitprune
+from conftest import PAPER, paper
 
 tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
 
@@ -77,21 +78,26 @@ def test_nothing_pruned_equals_unpatched(name, indicator):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_pruning_runs_and_unpatch_restores(name):
+@pytest.mark.parametrize("options", [PAPER, {}], ids=["paper", "defaults"])
+def test_pruning_runs_and_unpatch_restores(name, options):
     model = build(name)
     x = images(model)
     with torch.no_grad():
         expected = model(x)
-        vitprune.patch(model, keep_rate=0.7)
+        vitprune.patch(model, keep_rate=0.7, **options)
         pruned = model(x)
         n = model.patch_embed.num_patches
         positions = vitprune.kept_positions(model)
+        first_rate = vitprune.get_config(model).keep_rate[0]  # 0.7 at the paper's first stage
         vitprune.unpatch(model)
         restored = model(x)
     assert pruned.shape == expected.shape and torch.isfinite(pruned).all()
     assert not torch.equal(pruned, expected)  # something was pruned (some heads start near zero)
-    k = -(-7 * n // 10)
-    assert positions[0].shape == (3, k + 1) and (positions[0][:, -1] == -1).all()
+    k = vitprune.keep_count(first_rate, n)
+    if options.get("reduction") == "fuse":
+        assert positions[0].shape == (3, k + 1) and (positions[0][:, -1] == -1).all()
+    else:  # merged into the kept tokens: no fusion token
+        assert positions[0].shape == (3, k) and (positions[0] >= 0).all()
     torch.testing.assert_close(restored, expected, rtol=0, atol=0)
     assert type(model) is type(build(name)) and not vitprune.is_patched(model)
 
@@ -104,7 +110,7 @@ def test_models_without_a_class_token_score_the_mean_received_attention(name):
 
 
 def test_sizes_count_the_patches_each_token_stands_for():
-    model = vitprune.patch(build("gap, no class token"), keep_rate=(0.5, 0.5), stages=(1, 2))
+    model = vitprune.patch(build("gap, no class token"), keep_rate=(0.5, 0.5), **paper(stages=(1, 2)))
     with torch.no_grad():
         model(images(model))
     sizes = model.vitprune_state.sizes
@@ -166,7 +172,7 @@ def test_map_head_receives_the_log_size_bias():
 
 
 def test_parallel_scaling_block_prunes_after_the_whole_block():
-    model = vitprune.patch(build("ParallelScalingBlock"), keep_rate=0.5, stages=(0,))
+    model = vitprune.patch(build("ParallelScalingBlock"), keep_rate=0.5, **paper(stages=(0,)))
     block, x = model.blocks[0], torch.randn(2, 17, 192)
     with torch.no_grad():
         out = block(x)
@@ -177,7 +183,7 @@ def test_parallel_scaling_block_prunes_after_the_whole_block():
 
 
 def test_parallel_things_block_scores_the_heads_of_every_branch():
-    model = vitprune.patch(build("ParallelThingsBlock"), keep_rate=0.5, stages=(0,))
+    model = vitprune.patch(build("ParallelThingsBlock"), keep_rate=0.5, **paper(stages=(0,)))
     rows = []
     for branch in model.blocks[0].attns:
         branch.attn.register_forward_hook(lambda *a: None)  # the pruning block runs the branches itself
@@ -185,9 +191,9 @@ def test_parallel_things_block_scores_the_heads_of_every_branch():
 
     original = attention.attention_with_row
 
-    def spy(attn, x, num_prefix, source="cls"):
-        out, row = original(attn, x, num_prefix, source)
-        rows.append(row)
+    def spy(attn, x, num_prefix, source="cls", bias=None):
+        out, row = original(attn, x, num_prefix, source, bias)
+        rows.append(row.row)
         return out, row
 
     with pytest.MonkeyPatch.context() as mp:

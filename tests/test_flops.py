@@ -5,6 +5,7 @@ import timm
 import torch
 
 import vitprune
+from conftest import PAPER
 from vitprune.budget import fit_keep_rate
 from vitprune.flops import analytic_flops, count_flops, num_patches, schedule_flops
 
@@ -42,7 +43,7 @@ def test_pruned_counts_agree_with_the_schedule(deit_small, options):
 
 
 def test_keep_0_7_analytic_ratio_is_the_papers_1_52(deit_small):
-    ratio = analytic_flops(deit_small) / schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=0.7))
+    ratio = analytic_flops(deit_small) / schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=0.7, **PAPER))
     assert round(ratio, 2) == 1.52
 
 

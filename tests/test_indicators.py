@@ -1,4 +1,4 @@
-"""The indicators against values worked out by hand (METHOD.md §2)."""
+"""The indicators against values worked out by hand (docs/method.md §2)."""
 
 import pytest
 import torch

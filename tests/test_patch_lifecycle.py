@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 import vitprune
 from vitprune.blocks import PruneBlock
-from conftest import image_batch, make_model
+from conftest import image_batch, make_model, paper
 
 
 def snapshot(model):
@@ -52,7 +52,7 @@ def test_unpatch_of_an_unpatched_model_is_a_no_op(tiny):
 
 def test_patching_again_replaces_the_previous_patch(tiny):
     vitprune.patch(tiny, keep_rate=0.5, stages=(1, 2))
-    vitprune.patch(tiny, indicator="medad", keep_rate=0.8, stages=(4,))
+    vitprune.patch(tiny, indicator="medad", keep_rate=0.8, **paper(stages=(4,)))
     assert vitprune.get_config(tiny).stages == (4,)
     assert [type(b) is PruneBlock for b in tiny.blocks] == [i == 4 for i in range(12)]
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_patching_again_replaces_the_previous_patch(tiny):
 
 
 def test_get_config_reads_back_the_resolved_config(tiny):
-    vitprune.patch(tiny, indicator="medad", keep_rate=0.6, T=0.5, fuse=False)
+    vitprune.patch(tiny, indicator="medad", keep_rate=0.6, T=0.5, fuse=False, stages=None)
     cfg = vitprune.get_config(tiny)
     assert cfg == vitprune.PruneConfig("medad", (0.6, 0.6, 0.6), (3, 6, 9), 0.5, False)
 

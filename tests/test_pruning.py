@@ -9,7 +9,7 @@ import torch
 import vitprune
 from vitprune.flops import token_schedule
 from vitprune.indicators import head_medad, head_variance
-from conftest import image_batch, make_model
+from conftest import image_batch, make_model, paper
 
 
 def tokens_after_each_block(model, x):
@@ -26,7 +26,7 @@ def tokens_after_each_block(model, x):
 def test_deit_small_token_counts_follow_the_rule(batch):
     torch.manual_seed(0)
     model = timm.create_model("deit_small_patch16_224").eval()
-    vitprune.patch(model, indicator="var", keep_rate=0.7, stages=(3, 6, 9))
+    vitprune.patch(model, indicator="var", keep_rate=0.7, **paper(stages=(3, 6, 9)))
     x = torch.randn(batch, 3, 224, 224)
     # 196 patches: ceil(0.7*196)=138 kept + 1 fused; ceil(0.7*139)=98 + 1; ceil(0.7*99)=70 + 1
     expected = [197] * 3 + [1 + 138 + 1] * 3 + [1 + 98 + 1] * 3 + [1 + 70 + 1] * 3
@@ -47,7 +47,7 @@ def test_distilled_model_keeps_both_prefix_tokens():
     with torch.no_grad():
         tokens = model.norm_pre(model._pos_embed(model.patch_embed(x)))
         reference = model.blocks[0](tokens)
-        vitprune.patch(model, keep_rate=0.5, stages=(0,))
+        vitprune.patch(model, keep_rate=0.5, **paper(stages=(0,)))
         pruned = model.blocks[0](tokens)
     assert pruned.shape[1] == 2 + 98 + 1
     # class and distillation tokens pass through the same attention and MLP as unpruned
@@ -74,7 +74,7 @@ def reference_scores(model, x, block_index, score):
 def test_first_stage_keeps_the_top_scoring_patches(tiny, indicator, score):
     x = image_batch(tiny, batch=3)
     expected = reference_scores(tiny, x, 4, score).topk(math.ceil(0.6 * 196), dim=1).indices
-    vitprune.patch(tiny, indicator=indicator, keep_rate=0.6, stages=(4, 8))
+    vitprune.patch(tiny, indicator=indicator, keep_rate=0.6, **paper(stages=(4, 8)))
     with torch.no_grad():
         tiny(x)
     kept = vitprune.kept_positions(tiny)[0]

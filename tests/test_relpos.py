@@ -33,14 +33,15 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("fuse", [False, True])
-def test_a_block_after_pruning_sees_each_kept_token_with_its_own_bias(case, fuse):
+@pytest.mark.parametrize("size_aware", [False, True])
+def test_a_block_after_pruning_sees_each_kept_token_with_its_own_bias(case, fuse, size_aware):
     make, block_class, method, owner = CASES[case]
     torch.manual_seed(0)
     model = make().eval()
     for name, param in model.named_parameters():  # LayerScale starts at 1e-5: let attention show
         if name.endswith(("ls1.gamma", "ls2.gamma", "gamma_1", "gamma_2")):
             param.data.fill_(1.0)
-    vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=fuse)
+    vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=fuse, size_aware=size_aware)
     P, heads = model.num_prefix_tokens, model.blocks[0].attn.num_heads
     L = P + model.patch_embed.num_patches
     full = 3 * torch.randn(heads, L, L, generator=torch.Generator().manual_seed(2))  # a bias that matters
@@ -55,6 +56,9 @@ def test_a_block_after_pruning_sees_each_kept_token_with_its_own_bias(case, fuse
             t = list(range(P)) + [P + p for p in real]
             sub = torch.zeros(heads, len(kept) + P, len(kept) + P)
             sub[:, :len(t), :len(t)] = full[:, t][:, :, t]  # a fusion token: zero bias
+            if size_aware:  # plus log(size) on every key column (prefix tokens hold one patch)
+                sizes = model.vitprune_state.sizes[b]
+                sub = sub + torch.cat([torch.zeros(P), sizes.log()])
             attn = model.blocks[2].attn
             with mock.patch.object(owner(attn), method(attn), lambda *a: sub[None]):
                 expected = block_class.forward(model.blocks[2], seen["x"][b:b + 1])

@@ -60,7 +60,7 @@ def test_eva_refuses_overlap_and_unpatch_restores_every_block():
     with pytest.raises(TypeError, match="overlap_stride is supported for VisionTransformer models only"):
         vitprune.patch(model, overlap_stride=7)
     assert not vitprune.is_patched(model)
-    vitprune.patch(model, keep_rate=0.5)  # stages (1, 2, 3): blocks 1-3 swapped, block 0 not
+    vitprune.patch(model, keep_rate=0.5, stages=None)  # stages (1, 2, 3): blocks 1-3 swapped, block 0 not
     assert [type(b).__name__ for b in model.blocks] == ["EvaBlock"] + ["PruneEvaBlock"] * 3
     assert [b.vitprune_follow for b in model.blocks[1:]] == [None, 0, 1]
     vitprune.unpatch(model)

@@ -41,6 +41,7 @@ def test_demo_runs_and_writes_a_plot(tmp_path, capsys):
     assert code == 0
     text = capsys.readouterr().out
     assert "var keep 0.7" in text and "medad keep 0.7" in text and "unpruned" in text
+    assert "default keep 0.7" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,4 +1,4 @@
-"""Selection and fusion against hand-computed examples (METHOD.md §3-4)."""
+"""Selection and fusion against hand-computed examples (docs/method.md §3-5)."""
 
 import math
 

@@ -6,6 +6,7 @@ import timm
 import torch
 
 import vitprune
+from conftest import PAPER
 from vitprune import datasets, demo_models
 
 
@@ -19,8 +20,9 @@ def images(batch=2, size=64, seed=1):
 
 
 @pytest.mark.slow
-def test_torch_export_reproduces_eager():
-    model, x = vitprune.patch(small(), keep_rate=0.7), images()
+@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all")], ids=str)
+def test_torch_export_reproduces_eager(options):
+    model, x = vitprune.patch(small(), **{"keep_rate": 0.7, **options}), images()
     with torch.no_grad():
         expected = model(x)
     exported = torch.export.export(model, (x,))
@@ -31,10 +33,11 @@ def test_torch_export_reproduces_eager():
 
 
 @pytest.mark.slow
-def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path):
+@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, selection="redundant")], ids=str)
+def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, options):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    model, x = vitprune.patch(small(), indicator="medad", keep_rate=0.6), images()
+    model, x = vitprune.patch(small(), indicator="medad", **{"keep_rate": 0.6, **options}), images()
     with torch.no_grad():
         expected = model(x).numpy()
     torch.onnx.export(model, (x,), str(tmp_path / "pruned.onnx"), dynamo=True, verbose=False)
@@ -44,13 +47,17 @@ def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path):
 
 
 @pytest.mark.parametrize("dataset", ["fashion_mnist", "cluttered"])
-@pytest.mark.parametrize("indicator", ["var", "medad"])
-def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator):
-    """Measured on the shipped models, 500 test images: at least 98.4 % of the kept
-    patches agree with fp32 at every stage (README states it); the bound leaves room."""
+@pytest.mark.parametrize("indicator, options, bound", [
+    ("var", PAPER, 0.97), ("medad", PAPER, 0.97), (None, {}, 0.85),
+], ids=["var paper", "medad paper", "defaults"])
+def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator, options, bound):
+    """Measured on the shipped models, 500 test images: for the paper's method at least
+    98.8 % of the kept patches agree with fp32 at every stage; for the defaults (matching
+    by key similarity in every block, where differences compound) at least 86.7 % (README
+    states both); the bounds leave room."""
     model, _ = demo_models.load_shipped(dataset)
     x = datasets.to_input(demo_models.load_test_subset(dataset)[0][:500])
-    vitprune.patch(model, indicator=indicator, keep_rate=0.7)
+    vitprune.patch(model, indicator=indicator, keep_rate=0.7, **options)
     with torch.no_grad():
         model(x)
         reference = vitprune.kept_positions(model)
@@ -59,12 +66,14 @@ def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator):
         got = vitprune.kept_positions(model)
     assert torch.isfinite(out).all()
     for a, b in zip(reference, got):
-        agree = torch.stack([torch.isin(a[i, :-1], b[i, :-1]) for i in range(len(a))]).float().mean()
-        assert agree >= 0.97, f"bf16 kept set agrees with fp32 on only {agree:.3f}"
+        cut = -1 if options.get("reduction") == "fuse" else None  # the fusion token's -1
+        agree = torch.stack([torch.isin(a[i, :cut], b[i, :cut]) for i in range(len(a))]).float().mean()
+        print(f"{dataset} {indicator} {options}: {agree:.4f}")
+        assert agree >= bound, f"bf16 kept set agrees with fp32 on only {agree:.3f}"
 
 
 def test_scores_stay_finite_in_bf16():
-    model = vitprune.patch(small().to(torch.bfloat16), keep_rate=0.7)
+    model = vitprune.patch(small().to(torch.bfloat16), keep_rate=0.7, indicator="var", **PAPER)
     captured = []
     state = model.vitprune_state
     original = state.scores
@@ -96,7 +105,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(indicator):
 
 
 def test_forward_features_and_forward_head_compose_to_forward():
-    model, x = vitprune.patch(small(), keep_rate=0.5), images()
+    model, x = vitprune.patch(small(), keep_rate=0.5, **PAPER), images()
     with torch.no_grad():
         features = model.forward_features(x)
         assert features.shape == (2, 1 + 3 + 1, 192)  # class + kept + fusion: 16 -> 8+1 -> 5+1 -> 3+1
@@ -123,18 +132,22 @@ def test_forward_intermediates_before_pruning_match_the_unpatched_model():
     model, x = small(), images()
     with torch.no_grad():
         expected = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
-        vitprune.patch(model, keep_rate=0.7)  # stages (3, 6, 9)
+        vitprune.patch(model, keep_rate=0.7, stages=None)  # stages (3, 6, 9)
         got = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
         assert a.shape == (2, 192, 4, 4)
 
 
-def test_forward_intermediates_after_pruning_are_tokens_not_grids():
-    model, x = vitprune.patch(small(), keep_rate=0.7), images()  # 16 -> 12 + fusion at block 3
+@pytest.mark.parametrize("options, counts", [
+    (PAPER, [16, 13, 9]),  # 16 -> 12+1 -> 10+1 -> 8+1 (fusion tokens)
+    ({"stages": None}, [16, 12, 7]),  # 16 -> 12 -> 9 -> 7 (merged into kept tokens)
+], ids=["paper", "merge"])
+def test_forward_intermediates_after_pruning_are_tokens_not_grids(options, counts):
+    model, x = vitprune.patch(small(), keep_rate=0.7, **options), images()
     with torch.no_grad():
         final, tokens = model.forward_intermediates(x, indices=[2, 3, 11], output_fmt="NLC")
         torch.testing.assert_close(model.forward_head(final), model(x))
         with pytest.raises(ValueError, match=r"blocks \[3, 11\] run after pruning starts at block 3.*NLC"):
             model.forward_intermediates(x, indices=[2, 3, 11])
-    assert [t.shape[1] for t in tokens] == [16, 13, 9]  # 16 -> 12+1 -> 10+1 -> 8+1
+    assert [t.shape[1] for t in tokens] == counts

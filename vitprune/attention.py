@@ -1,6 +1,6 @@
 """timm's self-attention, run through its own submodules, plus the row the indicators score.
 
-With a class token the row is the class token's attention (METHOD.md §1). It costs one
+With a class token the row is the class token's attention (docs/method.md §1). It costs one
 ``(1 x (P + N))`` product per head beside the model's fused attention, so no block ever
 materialises the ``(P + N) x (P + N)`` matrix that the fused kernel avoids. Without a
 class token the row is the mean attention each patch receives over all queries; that
@@ -9,7 +9,7 @@ needs the matrix, so pruning blocks of such models run timm's explicit attention
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,24 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
     return logits.float().softmax(dim=-1)[:, :, num_prefix:]
 
 
-#: Where the per-head attention that the indicators score comes from (METHOD.md §1):
+class Scored(NamedTuple):
+    """What a pruning block hands to the reduction step.
+
+    Attributes:
+        row: ``(B, H, N)`` float32: the per-head attention the indicators score.
+        keys: ``(B, H, P + N, d)``: the keys as the attention used them (for similarity).
+    """
+
+    row: torch.Tensor
+    keys: torch.Tensor
+
+
+def join_scored(parts: "list[Scored]") -> Scored:
+    """One :class:`Scored` for parallel attentions: their heads side by side."""
+    return Scored(torch.cat([p.row for p in parts], dim=1), torch.cat([p.keys for p in parts], dim=1))
+
+
+#: Where the per-head attention that the indicators score comes from (docs/method.md §1):
 #: ``"cls"``, the class token's row; ``"mean"``, for models without a class token, the mean
 #: attention each patch receives over all queries (needs the full matrix in pruning blocks).
 ROW_SOURCES = ("cls", "mean")
@@ -68,8 +85,8 @@ def attend(
         num_prefix: int,
         source: str,
         bias: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Multi-head attention as timm computes it, and the per-head row the indicators score.
+) -> Tuple[torch.Tensor, Scored]:
+    """Multi-head attention as timm computes it, and what the reduction step needs.
 
     Args:
         q, k, v: ``(B, H, L, d)``, after any ``q_norm``/``k_norm``.
@@ -79,20 +96,22 @@ def attend(
         attn_drop: The module's attention dropout.
         num_prefix: Tokens at the front that are never scored.
         source: One of :data:`ROW_SOURCES`.
-        bias: Additive attention bias ``(B or 1, H, L, L)`` (relative position), or ``None``.
+        bias: Additive attention bias broadcastable to ``(B, H, L, L)`` (relative position,
+            token sizes), or ``None``.
 
     Returns:
-        The attention output ``(B, H, L, d)`` and the row ``(B, H, L - num_prefix)`` in float32.
+        The attention output ``(B, H, L, d)``, and the row ``(B, H, L - num_prefix)`` in
+        float32 with the keys.
     """
     if source == "mean" or not fused:
         logits = (q * scale) @ k.transpose(-2, -1)
         weights = (logits if bias is None else logits + bias).softmax(dim=-1)
         row = weights.float().mean(dim=2)[..., num_prefix:] if source == "mean" else \
             class_attention_row(q, k, scale, num_prefix, bias)
-        return attn_drop(weights) @ v, row
+        return attn_drop(weights) @ v, Scored(row, k)
     row = class_attention_row(q, k, scale, num_prefix, bias)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=attn_drop.p if attn_drop.training else 0.0)
-    return out, row
+    return out, Scored(row, k)
 
 
 def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,7 +140,8 @@ def attention_with_row(
         x: torch.Tensor,
         num_prefix: int,
         source: str = "cls",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+        bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Scored]:
     """``attn(x)`` exactly as timm computes it, and the row the indicators score.
 
     Uses the module's own ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate``, ``proj``
@@ -129,7 +149,7 @@ def attention_with_row(
     equivalence tests hold this to timm's forward.
 
     Returns:
-        The attention output ``(B, P + N, C)`` and the row ``(B, H, N)`` in float32.
+        The attention output ``(B, P + N, C)`` and the :class:`Scored` row and keys.
     """
     B, L, _ = x.shape
     gate_layer = getattr(attn, "gate", None)
@@ -137,7 +157,7 @@ def attention_with_row(
     q, k, v = project_qkv(attn, x)
     q, k = attn.q_norm(q), attn.k_norm(k)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
-                      num_prefix=num_prefix, source=source)
+                      num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim)
     out = attn.norm(out) if hasattr(attn, "norm") else out
     if gate is not None:
@@ -150,7 +170,8 @@ def parallel_scaling_with_row(
         x: torch.Tensor,
         num_prefix: int,
         source: str = "cls",
-) -> Tuple[torch.Tensor, torch.Tensor]:
+        bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Scored]:
     """``block(x)`` for timm's ``ParallelScalingBlock`` (attention and MLP side by side),
     through its own submodules, and the row the indicators score."""
     B, L, C = x.shape
@@ -162,7 +183,7 @@ def parallel_scaling_with_row(
     k = block.k_norm(k.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
     v = v.view(B, L, block.num_heads, block.head_dim).transpose(1, 2)
     out, row = attend(q, k, v, scale=block.scale, fused=block.fused_attn, attn_drop=block.attn_drop,
-                      num_prefix=num_prefix, source=source)
+                      num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).reshape(B, L, C)
     x_mlp = block.mlp_drop(block.mlp_act(x_mlp))
     if block.out_proj is not None:

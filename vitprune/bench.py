@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import INDICATORS, PruneConfig
+from .config import INDICATORS, SPREAD, PruneConfig
 from .flops import count_flops, input_size
 from .memory import cpu_peak_bytes, cuda_peak_bytes
 from .patching import patch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT = "default"  # a setting with vitprune's defaults rather than the paper's method
 MODES = ("infer", "train")
 
 
@@ -52,10 +53,15 @@ class Setting:
         return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}"
 
     def config(self) -> Optional[PruneConfig]:
+        """``indicator="default"``: vitprune's defaults (``stages`` default ``"spread"``);
+        an indicator: the paper's method with it (``stages`` default: the paper's)."""
         if self.indicator is None:
             return None
+        if self.indicator == DEFAULT:
+            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
+                               overlap_stride=self.overlap_stride)
         return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, stages=self.stages,
-                           overlap_stride=self.overlap_stride)
+                           overlap_stride=self.overlap_stride, selection="top", reduction="fuse", size_aware=False)
 
 
 @dataclass
@@ -265,7 +271,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
     parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
-    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=INDICATORS)
+    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
+                        help="'default': vitprune's defaults; an indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7])
     parser.add_argument("--stages", nargs="+", type=_stages, default=None,
                         help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: scaled (3,6,9))")

@@ -15,7 +15,7 @@ import torch
 from timm.layers import Attention
 from timm.models.vision_transformer import Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
 
-from .attention import attention_with_row, parallel_scaling_with_row
+from .attention import Scored, attention_with_row, join_scored, parallel_scaling_with_row
 from .state import PruneState
 
 #: Attributes a patch adds to a block; ``unpatch`` deletes exactly these.
@@ -32,17 +32,24 @@ def refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
 
 
 class _Pruning:
-    """What every pruning block carries (set by ``patch``)."""
+    """What every swapped plain-ViT block carries (set by ``patch``): a stage number, or
+    ``None`` for a block that only follows a stage (it runs timm's own forward with the
+    size-aware attention bias)."""
 
     vitprune_state: PruneState
-    vitprune_stage: int
+    vitprune_stage: Optional[int]
+    vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
 
-    def _attend(self, attn: Attention, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, attn: Attention, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
         state = self.vitprune_state
-        return attention_with_row(attn, x, state.num_prefix, state.row_source)
+        return attention_with_row(attn, x, state.num_prefix, state.row_source, bias)
 
-    def _prune(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-        return self.vitprune_state.prune(x, row, self.vitprune_stage)
+    def _prune(self, x: torch.Tensor, scored: Scored) -> torch.Tensor:
+        return self.vitprune_state.prune(x, scored, self.vitprune_stage)
+
+    def _begin(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> Optional[torch.Tensor]:
+        refuse_masks(attn_mask, is_causal)
+        return self.vitprune_state.begin(x, self.vitprune_stage, self.vitprune_follow)
 
 
 class Following:
@@ -65,9 +72,11 @@ class PruneBlock(_Pruning, Block):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        refuse_masks(attn_mask, is_causal)
-        out, row = self._attend(self.attn, self.norm1(x))
-        x = self._prune(x + self.drop_path1(self.ls1(out)), row)
+        bias = self._begin(x, attn_mask, is_causal)
+        if self.vitprune_stage is None:
+            return Block.forward(self, x, attn_mask=bias)
+        out, scored = self._attend(self.attn, self.norm1(x), bias)
+        x = self._prune(x + self.drop_path1(self.ls1(out)), scored)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
@@ -76,9 +85,11 @@ class PruneResPostBlock(_Pruning, ResPostBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        refuse_masks(attn_mask, is_causal)
-        out, row = self._attend(self.attn, x)
-        x = self._prune(x + self.drop_path1(self.norm1(out)), row)
+        bias = self._begin(x, attn_mask, is_causal)
+        if self.vitprune_stage is None:
+            return ResPostBlock.forward(self, x, attn_mask=bias)
+        out, scored = self._attend(self.attn, x, bias)
+        x = self._prune(x + self.drop_path1(self.norm1(out)), scored)
         return x + self.drop_path2(self.norm2(self.mlp(x)))
 
 
@@ -88,13 +99,15 @@ class PruneParallelThingsBlock(_Pruning, ParallelThingsBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        refuse_masks(attn_mask, is_causal)
-        outs, rows = [], []
+        bias = self._begin(x, attn_mask, is_causal)
+        if self.vitprune_stage is None:
+            return ParallelThingsBlock.forward(self, x, attn_mask=bias)
+        outs, parts = [], []
         for branch in self.attns:
-            out, row = self._attend(branch.attn, branch.norm(x))
+            out, scored = self._attend(branch.attn, branch.norm(x), bias)
             outs.append(branch.drop_path(branch.ls(out)))
-            rows.append(row)
-        x = self._prune(x + torch.stack(outs).sum(dim=0), torch.cat(rows, dim=1))
+            parts.append(scored)
+        x = self._prune(x + torch.stack(outs).sum(dim=0), join_scored(parts))
         return x + torch.stack([ffn(x) for ffn in self.ffns]).sum(dim=0)
 
 
@@ -104,10 +117,12 @@ class PruneParallelScalingBlock(_Pruning, ParallelScalingBlock):
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
-        refuse_masks(attn_mask, is_causal)
+        bias = self._begin(x, attn_mask, is_causal)
+        if self.vitprune_stage is None:
+            return ParallelScalingBlock.forward(self, x, attn_mask=bias)
         state = self.vitprune_state
-        x, row = parallel_scaling_with_row(self, x, state.num_prefix, state.row_source)
-        return self._prune(x, row)
+        x, scored = parallel_scaling_with_row(self, x, state.num_prefix, state.row_source, bias)
+        return self._prune(x, scored)
 
 
 #: Original block class -> its pruning subclass.

@@ -2,45 +2,52 @@
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from torch import nn
 
-from .config import PruneConfig
+from .config import ALL_BLOCKS, SPREAD, PruneConfig
 from .flops import num_patches, schedule_flops
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
 
 
-def _config(rate: float, stages: Optional[Sequence[int]], fuse: bool, stride: Optional[int]) -> PruneConfig:
-    return PruneConfig(keep_rate=rate, stages=None if stages is None else tuple(stages), fuse=fuse,
-                       overlap_stride=stride)
+def _config(rate: float, stages: Optional[Sequence[int]], fuse: Optional[bool], stride: Optional[int],
+            options: Dict[str, Any]) -> PruneConfig:
+    if stages is not None and stages not in (ALL_BLOCKS, SPREAD):
+        stages = tuple(stages)
+    return PruneConfig(keep_rate=rate, stages=stages, fuse=fuse, overlap_stride=stride, **options)
 
 
 def fit_keep_rate(
         model: nn.Module,
         target_gflops: float,
         *,
-        stages: Optional[Sequence[int]] = None,
-        fuse: bool = True,
+        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
         overlap_stride: Optional[int] = None,
+        **options: Any,
 ) -> float:
     """The largest keep rate (the same at every stage) whose analytic FLOPs fit the budget.
 
     FLOPs grow in steps as the rate lets one more token through, so the result is exact
     to one token: the next token kept at any stage would exceed ``target_gflops``. Among
     the rates that keep the same tokens, the one with the fewest decimals is returned.
+    Works for every schedule (``stages``, ``"all"``) and every ``reduction`` and ``selection``.
 
     Args:
         model: A timm ViT, patched or not (its current patch is ignored).
         target_gflops: The budget per image, in GFLOPs (fvcore's convention).
-        stages: The pruning blocks; the default scales the paper's (3, 6, 9) to the depth.
-        fuse: Whether a fusion token is kept (it costs one token per stage).
+        stages: As in :class:`PruneConfig`: ``"spread"`` (the default), ``"all"``,
+            ``None`` (the paper's stages, scaled to the depth) or block indices.
+        fuse: The legacy switch (see :class:`PruneConfig`); prefer ``reduction``.
         img_size: Input ``(H, W)``; the model's own size when ``None``.
         overlap_stride: Count with this patch-embedding stride (see ``patch``); ``None``
             uses the model's current one.
+        **options: Other :class:`PruneConfig` fields (``reduction``, ``selection``, ...),
+            as they will be passed to ``patch``.
 
     Returns:
         A keep rate in (0, 1]; ``1.0`` when the unpruned model already fits.
@@ -53,7 +60,7 @@ def fit_keep_rate(
     target = target_gflops * 1e9
 
     def flops(rate: float) -> int:
-        return schedule_flops(model, _config(rate, stages, fuse, overlap_stride), img_size)
+        return schedule_flops(model, _config(rate, stages, fuse, overlap_stride, options), img_size)
 
     if flops(1.0) <= target:
         return 1.0
@@ -90,15 +97,16 @@ def overlap_options(
         model: nn.Module,
         target_gflops: Optional[float] = None,
         *,
-        stages: Optional[Sequence[int]] = None,
-        fuse: bool = True,
+        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
+        **options: Any,
 ) -> List[OverlapOption]:
     """For every stride from the patch size down, the keep rate that meets the budget.
 
     Args:
         target_gflops: The budget per image; the unpruned model's FLOPs when ``None``.
-        stages, fuse, img_size: As in :func:`fit_keep_rate`.
+        stages, fuse, img_size, options: As in :func:`fit_keep_rate`.
 
     Returns:
         One option per stride that some keep rate can fit, largest stride first;
@@ -106,17 +114,17 @@ def overlap_options(
     """
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
-    options = []
+    found = []
     for stride in range(min(model.patch_embed.patch_size), 0, -1):
         try:
             rate = fit_keep_rate(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size,
-                                 overlap_stride=stride)
+                                 overlap_stride=stride, **options)
         except ValueError:
             break  # smaller strides only cost more
-        config = _config(rate, stages, fuse, stride)
-        options.append(OverlapOption(stride, rate, schedule_flops(model, config, img_size) / 1e9,
-                                     num_patches(model, img_size, stride)))
-    return options
+        config = _config(rate, stages, fuse, stride, options)
+        found.append(OverlapOption(stride, rate, schedule_flops(model, config, img_size) / 1e9,
+                                   num_patches(model, img_size, stride)))
+    return found
 
 
 def fit_overlap(
@@ -124,27 +132,29 @@ def fit_overlap(
         target_gflops: Optional[float] = None,
         *,
         min_keep_rate: float = 0.5,
-        stages: Optional[Sequence[int]] = None,
-        fuse: bool = True,
+        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
+        **options: Any,
 ) -> OverlapOption:
     """The most overlap (smallest stride) whose keep rate for the budget stays >= ``min_keep_rate``.
 
     The paper's recipe spends the FLOPs pruning saves on overlap: by default the budget
     is the unpruned model's FLOPs. Overlap adds information, pruning throws some away;
     ``min_keep_rate`` bounds the second. Pass the result to ``patch`` as
-    ``overlap_stride=option.stride, keep_rate=option.keep_rate``.
+    ``overlap_stride=option.stride, keep_rate=option.keep_rate``, with the same
+    ``stages``, ``fuse`` and ``options`` (:class:`PruneConfig` fields) given here.
 
     Raises:
         ValueError: ``min_keep_rate`` is outside (0, 1], or no stride reaches it.
     """
     if not 0 < min_keep_rate <= 1:
         raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
-    options = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size)
-    fitting = [option for option in options if option.keep_rate >= min_keep_rate]
+    choices = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size, **options)
+    fitting = [option for option in choices if option.keep_rate >= min_keep_rate]
     if not fitting:
         raise ValueError(
             f"no stride keeps at least {min_keep_rate} of the tokens within the budget; "
-            f"the options are {[(o.stride, o.keep_rate) for o in options]}"
+            f"the options are {[(o.stride, o.keep_rate) for o in choices]}"
         )
     return fitting[-1]

@@ -10,6 +10,21 @@ from typing import Literal, Optional, Tuple, Union, get_args
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
+Selection = Literal["top", "redundant", "bipartite"]
+SELECTIONS: Tuple[str, ...] = get_args(Selection)
+Reduction = Literal["merge", "fuse", "drop"]
+REDUCTIONS: Tuple[str, ...] = get_args(Reduction)
+
+#: The defaults, chosen by the experiments in docs/accuracy.md (see docs/method.md).
+DEFAULT_SELECTION = "bipartite"
+DEFAULT_REDUCTION = "merge"
+DEFAULT_SIZE_AWARE = True
+
+#: ``stages`` value for a reduction in every block, at ``keep_rate`` each.
+ALL_BLOCKS = "all"
+#: ``stages`` value (the default) for a reduction in every block at about the cost of the
+#: paper's three stages at ``keep_rate`` (see :meth:`PruneConfig.resolve`).
+SPREAD = "spread"
 
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
@@ -52,31 +67,54 @@ class PruneConfig:
             ``"cls"`` (mean attention across heads, EViT's score), ``"random"`` (ablation) or
             ``"lowvar"`` (minus the variance: keeps the patches the heads agree on, the
             referee's falsifier; if it does as well as ``"var"``, diversity is not what helps).
+            ``None`` (the default): no indicator chooses tokens (bipartite matching); where a
+            score is still needed (fusion weights) it is ``"var"``. Naming an indicator makes
+            the default selection ``"top"``: the tokens it scores best stay.
         keep_rate: Fraction of the current non-prefix tokens kept at each stage, in (0, 1]:
             one float for every stage, or one per stage.
-        stages: 0-indexed blocks that prune, strictly increasing. ``None`` picks the
-            paper's ``(3, 6, 9)``, scaled in proportion for other depths (see
-            :func:`default_stages`).
+        stages: Where tokens go. ``"spread"`` (the default, the measured best): every
+            block removes a few, at the largest common keep rate whose token count summed
+            over blocks (about the FLOPs) stays within that of the paper's stages at
+            ``keep_rate``, so ``keep_rate`` keeps the cost it has in the paper. ``None``:
+            the paper's ``(3, 6, 9)``, scaled in proportion for other depths (see
+            :func:`default_stages`). ``"all"``: every block, at ``keep_rate`` each. Or
+            0-indexed blocks, strictly increasing.
         T: Temperature of the fusion weights, > 0 (``math.inf`` gives plain mean pooling).
             It divides the pruned tokens' scores normalised by their mean absolute value,
-            so one value means the same for every indicator, model and resolution. See README, "Fusion temperature".
-        fuse: Merge the pruned tokens into one fusion token (True) or drop them (False).
+            so one value means the same for every indicator, model and resolution (docs/method.md §5).
+        selection: Which tokens go (docs/method.md §4); ``None``: ``"bipartite"`` without an
+            indicator, ``"top"`` with one. ``"top"`` keeps
+            the best-scored tokens (the paper); ``"redundant"`` keeps the best-scored half as
+            destinations and removes, among the rest, the tokens whose keys are most like a
+            destination's; ``"bipartite"`` does the same with every other token as a
+            destination, whatever its score (token merging's matching).
+        reduction: Where removed tokens go: ``"merge"`` into the kept token most like each
+            (size-weighted average), ``"fuse"`` into one fusion token (the paper's Eq. 8),
+            or ``"drop"``.
+        size_aware: Every block after the first reduction adds ``log(size)`` to the attention
+            logits of a token that holds ``size`` original patches, so it counts as them.
+        fuse: The first release's switch, kept as an alias: ``True`` means
+            ``reduction="fuse"``, ``False`` means ``reduction="drop"``. Stored as ``None``
+            once folded into ``reduction``.
         seed: Seed of the ``"random"`` indicator's generator; ``None`` draws from torch's
             global generator. Only allowed with ``indicator="random"``.
         overlap_stride: Give the patch embedding this stride (at most the patch size), so
             neighbouring patches overlap and there are more tokens; ``None`` leaves it.
     """
 
-    indicator: Indicator = "var"
+    indicator: Optional[Indicator] = None
     keep_rate: Union[float, Tuple[float, ...]] = 0.7
-    stages: Optional[Tuple[int, ...]] = None
+    stages: Optional[Union[Tuple[int, ...], Literal["spread", "all"]]] = SPREAD
     T: float = 1.0
-    fuse: bool = True
+    fuse: Optional[bool] = None
     seed: Optional[int] = None
     overlap_stride: Optional[int] = None
+    selection: Optional[Selection] = None
+    reduction: Optional[Reduction] = None
+    size_aware: bool = DEFAULT_SIZE_AWARE
 
     def __post_init__(self) -> None:
-        if self.indicator not in INDICATORS:
+        if self.indicator is not None and self.indicator not in INDICATORS:
             raise ValueError(
                 f"unknown indicator {self.indicator!r}; accepted: {', '.join(map(repr, INDICATORS))}"
             )
@@ -88,7 +126,7 @@ class PruneConfig:
             keep = _check_keep_rate(self.keep_rate)
         object.__setattr__(self, "keep_rate", keep)
 
-        if self.stages is not None:
+        if self.stages is not None and self.stages not in (ALL_BLOCKS, SPREAD):
             if isinstance(self.stages, (str, bytes)) or not hasattr(self.stages, "__iter__"):
                 raise TypeError(f"stages must be a sequence of block indices, got {self.stages!r}")
             stages = tuple(_check_stage(s) for s in self.stages)
@@ -109,8 +147,15 @@ class PruneConfig:
             raise ValueError(f"T must be > 0 (math.inf for mean pooling), got {self.T!r}")
         object.__setattr__(self, "T", float(self.T))
 
-        if not isinstance(self.fuse, bool):
-            raise TypeError(f"fuse must be True or False, got {self.fuse!r}")
+        self._fold_reduction()
+        if self.selection is None:
+            object.__setattr__(self, "selection", DEFAULT_SELECTION if self.indicator is None else "top")
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"unknown selection {self.selection!r}; accepted: {', '.join(map(repr, SELECTIONS))}"
+            )
+        if not isinstance(self.size_aware, bool):
+            raise TypeError(f"size_aware must be True or False, got {self.size_aware!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -123,14 +168,68 @@ class PruneConfig:
                 raise ValueError(f"overlap_stride must be a positive int, got {self.overlap_stride}")
             object.__setattr__(self, "overlap_stride", int(self.overlap_stride))
 
-    def resolve(self, depth: int) -> "PruneConfig":
+    def _spread(self, depth: int, num_patches: int) -> "PruneConfig":
+        """Every block reduces, by the largest common keep rate whose tokens (summed over
+        blocks, so about the FLOPs) do not exceed those of the paper's stages at ``keep_rate``."""
+        paper = dataclasses.replace(self, stages=None).resolve(depth)
+        fuse = self.reduction == "fuse"
+        budget = _token_total(_token_counts(paper.keep_rate, paper.stages, depth, num_patches, fuse), num_patches)
+        every = tuple(range(depth))
+
+        def counts(rate: float) -> Tuple[int, ...]:
+            return _token_counts((rate,) * depth, every, depth, num_patches, fuse)
+
+        def tokens(rate: float) -> int:
+            return _token_total(counts(rate), num_patches)
+
+        low, high = 1e-9, 1.0
+        if tokens(high) > budget:
+            for _ in range(60):  # tokens(low) <= budget < tokens(high)
+                middle = (low + high) / 2
+                low, high = (middle, high) if tokens(middle) <= budget else (low, middle)
+            reached = counts(low)
+            rounded = (math.floor(low * 10 ** d) / 10 ** d for d in range(2, 10))  # fewest decimals, same tokens
+            high = next((r for r in rounded if r > 0 and counts(r) == reached), low)
+        return dataclasses.replace(self, stages=every, keep_rate=(high,) * depth)
+
+    def _fold_reduction(self) -> None:
+        if self.fuse is not None and not isinstance(self.fuse, bool):
+            raise TypeError(f"fuse must be True or False, got {self.fuse!r}")
+        if self.reduction is not None and self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"unknown reduction {self.reduction!r}; accepted: {', '.join(map(repr, REDUCTIONS))}"
+            )
+        reduction = self.reduction
+        if self.fuse is not None:
+            implied = "fuse" if self.fuse else "drop"
+            if reduction is not None and reduction != implied:
+                raise ValueError(f"fuse={self.fuse} means reduction={implied!r}, but reduction={reduction!r}; "
+                                 "pass only reduction")
+            reduction = implied
+        object.__setattr__(self, "reduction", DEFAULT_REDUCTION if reduction is None else reduction)
+        object.__setattr__(self, "fuse", None)
+
+    def resolve(self, depth: int, num_patches: Optional[int] = None) -> "PruneConfig":
         """This config for a model of ``depth`` blocks: explicit stages, one keep rate per stage.
+
+        Args:
+            depth: The model's number of blocks.
+            num_patches: Its patch tokens; needed by the ``"spread"`` schedule only.
 
         Raises:
             ValueError: A stage is not a block of the model, or keep rates and the
                 default stages differ in number.
         """
-        stages = default_stages(depth) if self.stages is None else self.stages
+        if self.stages == SPREAD:
+            if num_patches is None:
+                raise ValueError("stages='spread' is worked out for a model's patch count: pass num_patches")
+            return self._spread(depth, num_patches)
+        if self.stages is None:
+            stages = default_stages(depth)
+        elif self.stages == ALL_BLOCKS:
+            stages = tuple(range(depth))
+        else:
+            stages = self.stages
         bad = [s for s in stages if s >= depth]
         if bad:
             raise ValueError(
@@ -146,6 +245,23 @@ class PruneConfig:
         else:
             keep = (keep,) * len(stages)
         return dataclasses.replace(self, stages=stages, keep_rate=keep)
+
+
+def _token_counts(rates: Tuple[float, ...], stages: Tuple[int, ...], depth: int, n: int,
+                  fuse: bool) -> Tuple[int, ...]:
+    """Non-prefix tokens after every block, for ``n`` patches."""
+    counts, rate_of = [], dict(zip(stages, rates))
+    for index in range(depth):
+        if index in rate_of:
+            k = keep_count(rate_of[index], n)
+            n = k + 1 if fuse and k < n else k
+        counts.append(n)
+    return tuple(counts)
+
+
+def _token_total(counts: Tuple[int, ...], n: int) -> int:
+    """Tokens summed over the attention and MLP of every block (``n`` enter the first)."""
+    return sum((n,) + counts[:-1]) + sum(counts)
 
 
 def keep_count(keep_rate: float, n: int) -> int:

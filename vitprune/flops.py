@@ -38,7 +38,7 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
     """The tokens each block sees under ``config`` (``None``: unpruned)."""
     stage_of = {}
     if config is not None:
-        config = config.resolve(depth)
+        config = config.resolve(depth, num_patches)
         stage_of = {index: number for number, index in enumerate(config.stages)}
     n = num_patches
     schedule = []
@@ -46,9 +46,34 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
         before = num_prefix + n
         if index in stage_of:
             k = keep_count(config.keep_rate[stage_of[index]], n)
-            n = k + 1 if config.fuse and k < n else k
+            n = k + 1 if config.reduction == "fuse" and k < n else k
         schedule.append(BlockTokens(attn=before, mlp=num_prefix + n))
     return schedule
+
+
+def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Module) -> int:
+    """Products of one reduction step from ``n`` to ``out`` non-prefix tokens of width ``C``:
+    key similarities (``d``-wide averaged keys) between removed or candidate tokens and the
+    kept or destination ones, then the fusion or merge sums."""
+    if out == n:
+        return 0
+    kept = out - 1 if config.reduction == "fuse" else out
+    removed = n - kept
+    total = (n - out) * C  # the fusion or merge sums
+    if config.selection != "top" or config.reduction == "merge":
+        d = C // block.attn.num_heads if hasattr(block, "attn") else C
+        if config.selection == "top":
+            total += removed * kept * d
+        else:
+            if config.selection == "bipartite":
+                current = n
+                while current > kept:  # rounds of at most half (see merging.match_bipartite)
+                    total += (current // 2) * ((current + 1) // 2) * d
+                    current -= min(current - kept, current // 2)
+            else:
+                split = max(1, min(kept, n // 2))
+                total += (n - split) * split * d
+    return total
 
 
 def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
@@ -115,7 +140,7 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
     depth = len(model.blocks)
     if config is not None:
-        config = config.resolve(depth)
+        config = config.resolve(depth, patches)
     schedule = token_schedule(config, depth, model.num_prefix_tokens, patches)
 
     kh, kw = conv.kernel_size
@@ -124,8 +149,9 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
         hidden = model.blocks[index].mlp.fc1.out_features
         L = tokens.attn
         total += L * C * 3 * C + 2 * L * L * C + L * C * C
-        if config is not None and index in config.stages:  # the class row, then the fusion sum
-            total += L * C + (L - tokens.mlp) * C
+        if config is not None and index in config.stages:
+            total += L * C + reduction_flops(config, L - model.num_prefix_tokens,
+                                             tokens.mlp - model.num_prefix_tokens, C, model.blocks[index])
         total += 2 * tokens.mlp * C * hidden
     head = getattr(model, "head", None)
     if isinstance(head, nn.Linear):

@@ -1,4 +1,4 @@
-"""Patch importance scores from the class token's attention, one per head (METHOD.md §2).
+"""Patch importance scores from the class token's attention, one per head (docs/method.md §2).
 
 Pure torch functions. Each takes ``attn`` of shape ``(B, H, N)``: for every image and
 head, the class token's softmax attention over the ``N`` patch tokens. Each returns

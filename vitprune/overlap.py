@@ -1,4 +1,4 @@
-"""Overlapping patch embeddings (METHOD.md §5): the same kernel, a smaller stride.
+"""Overlapping patch embeddings (docs/method.md §8): the same kernel, a smaller stride.
 
 The patch-embedding convolution keeps its weights and kernel (the patch size) and
 takes stride ``s``, so the grid grows to ``floor((L - p) / s) + 1`` per side. The

@@ -14,7 +14,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
 from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION, attention_modules
-from .config import PruneConfig
+from .config import SPREAD, PruneConfig
 from .models import PRUNE_MODELS
 from .relpos import BIAS_ATTENTION, BIAS_BLOCKS
 from .rope import ROPE_ATTENTION, ROPE_BLOCKS
@@ -97,17 +97,18 @@ def _family(model: nn.Module) -> type:
     return _ORIGINAL_MODELS.get(type(model), type(model))
 
 
-def _swap_plan(model: nn.Module, stages: "tuple[int, ...]") -> "dict[int, tuple[Optional[int], Optional[int]]]":
+def _swap_plan(model: nn.Module, stages: "tuple[int, ...]",
+               size_aware: bool = False) -> "dict[int, tuple[Optional[int], Optional[int]]]":
     """Which blocks ``patch`` swaps: index -> (stage number or ``None``, stage whose output
-    the block receives or ``None``). ViT blocks: the stage blocks only. Rope and bias
-    families: every block from the first stage on, since each must gather its tokens'
-    position terms."""
-    if _family(model) not in FOLLOWING_BLOCKS:
-        return {index: (number, None) for number, index in enumerate(stages)}
+    the block receives or ``None``). ViT blocks: the stage blocks, and with ``size_aware``
+    every block after the first stage (they add the size bias). Rope and bias families:
+    every block from the first stage on, since each must gather its tokens' position terms."""
+    every = _family(model) in FOLLOWING_BLOCKS or size_aware
     plan, last = {}, None
     for index in range(stages[0] if stages else len(model.blocks), len(model.blocks)):
         number = stages.index(index) if index in stages else None
-        plan[index] = (number, last)
+        if number is not None or every:
+            plan[index] = (number, last)
         last = number if number is not None else last
     return plan
 
@@ -133,6 +134,19 @@ def _check_blocks(model: nn.Module, plan: "dict[int, tuple[Optional[int], Option
                     f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
                     f"{original.__name__} blocks with timm's {' or '.join(a.__name__ for a in accepted)}"
                 )
+
+
+def _patch_count(model: nn.Module, config: PruneConfig) -> Optional[int]:
+    """Patch tokens at the model's own input size (after ``overlap_stride``), for the
+    ``"spread"`` schedule; ``None`` when the embedding does not say."""
+    from .flops import num_patches  # flops imports this module
+
+    if config.stages != SPREAD:
+        return None
+    try:
+        return num_patches(model, None, config.overlap_stride)
+    except (AttributeError, TypeError):
+        return int(model.patch_embed.num_patches)
 
 
 def _make_config(config: Optional[PruneConfig], options: "dict[str, Any]") -> PruneConfig:
@@ -168,19 +182,24 @@ def patch(
         generator: Optional[torch.Generator] = None,
         **options: Any,
 ) -> nn.Module:
-    """Make ``model`` prune patch tokens, in place, and return it.
+    """Make ``model`` reduce its patch tokens, in place, and return it.
 
     Everything is validated before the model is touched: on any error the model is
-    exactly as it was. Patching a patched model replaces the previous patch.
+    exactly as it was. Patching a patched model replaces the previous patch. The
+    defaults are the configuration our experiments found most accurate at equal FLOPs
+    (bipartite matching, merging into the most similar kept token, size-aware
+    attention; docs/method.md §9); the paper's method is
+    ``indicator="var", selection="top", reduction="fuse", size_aware=False``.
 
     Args:
-        model: A timm ``VisionTransformer`` (or distilled DeiT). With a class token the
-            indicators score its attention row; without one, the mean attention each
-            patch receives (see README, "Models without a class token").
+        model: A timm ViT of a supported family (``SUPPORTED_MODELS``; README,
+            "Supported models"). With a class token the indicators score its attention
+            row; without one, the mean attention each patch receives.
         config: A :class:`PruneConfig`; ``options`` override its fields.
         generator: Generator for ``indicator="random"`` (instead of ``seed``).
         **options: :class:`PruneConfig` fields: ``indicator``, ``keep_rate``, ``stages``,
-            ``T``, ``fuse``, ``seed``, ``overlap_stride``.
+            ``T``, ``selection``, ``reduction``, ``size_aware``, ``fuse``, ``seed``,
+            ``overlap_stride``.
 
     Returns:
         The same model object.
@@ -191,14 +210,16 @@ def patch(
 
     Example:
         >>> model = timm.create_model("deit_small_patch16_224")
-        >>> vitprune.patch(model, indicator="var", keep_rate=0.7, stages=(3, 6, 9))
+        >>> vitprune.patch(model, keep_rate=0.7)
+        >>> vitprune.patch(model, indicator="var", keep_rate=0.7, stages=(3, 6, 9),
+        ...                selection="top", reduction="fuse", size_aware=False)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = _make_config(config, options)
     _check_model(model)
-    cfg = cfg.resolve(len(model.blocks))
-    plan = _swap_plan(model, cfg.stages)
+    cfg = cfg.resolve(len(model.blocks), _patch_count(model, cfg))
+    plan = _swap_plan(model, cfg.stages, cfg.size_aware)
     _check_blocks(model, plan)
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None and not isinstance(model, VisionTransformer):
@@ -219,8 +240,7 @@ def patch(
         block.__class__ = _ALL_BLOCKS[type(block)]
         block.vitprune_state = state
         block.vitprune_stage = number
-        if _family(model) in FOLLOWING_BLOCKS:
-            block.vitprune_follow = follow
+        block.vitprune_follow = follow
     return model
 
 

@@ -16,7 +16,7 @@ from timm.models.beit import Attention as BeitAttention
 from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer_relpos import RelPosAttention, RelPosBlock, ResPostRelPosBlock
 
-from .attention import attend, project_qkv
+from .attention import Scored, attend, project_qkv
 from .blocks import Following
 
 #: The attention classes of bias blocks that the swapped blocks know how to run.
@@ -58,7 +58,7 @@ def full_bias(attn: torch.nn.Module, shared: Optional[torch.Tensor]) -> Optional
 
 
 def bias_attention_with_row(attn: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
-                            num_prefix: int, source: str) -> Tuple[torch.Tensor, torch.Tensor]:
+                            num_prefix: int, source: str) -> Tuple[torch.Tensor, Scored]:
     """``attn(x)`` for BEiT's or relpos's attention with ``bias`` already for these tokens,
     and the row the indicators score (with the bias, as the attention sees it)."""
     B, N, C = x.shape
@@ -73,17 +73,20 @@ def bias_attention_with_row(attn: torch.nn.Module, x: torch.Tensor, bias: Option
 class _BiasFollowing(Following):
     """Bias-family blocks from the first stage on."""
 
-    def _attend(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _attend(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
         state = self.vitprune_state
+        sizes = state.begin(x, self.vitprune_stage, self.vitprune_follow)  # x: the block input or its norm
         bias, positions = full_bias(self.attn, shared), self._followed_positions()
         if bias is not None and positions is not None:
             bias = follow_bias(bias, token_index(positions, state.num_prefix, bias.shape[-1]))
+        if sizes is not None:
+            bias = sizes if bias is None else bias + sizes
         return bias_attention_with_row(self.attn, x, bias, state.num_prefix, state.row_source)
 
-    def _prune(self, x: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    def _prune(self, x: torch.Tensor, scored: Scored) -> torch.Tensor:
         if self.vitprune_stage is None:
             return x
-        return self.vitprune_state.prune(x, row, self.vitprune_stage)
+        return self.vitprune_state.prune(x, scored, self.vitprune_stage)
 
 
 class PruneBeitBlock(_BiasFollowing, BeitBlock):

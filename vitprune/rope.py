@@ -18,7 +18,7 @@ import torch
 from timm.layers import AttentionRope, apply_rot_embed_cat
 from timm.models.eva import EvaAttention, EvaBlock, EvaBlockPostNorm
 
-from .attention import attend, project_qkv
+from .attention import Scored, attend, project_qkv
 from .blocks import Following, refuse_masks
 
 #: The attention classes of Eva blocks that pruning blocks know how to run.
@@ -55,7 +55,8 @@ def rope_attention_with_row(
         rope: Optional[torch.Tensor],
         num_prefix: int,
         source: str,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+        bias: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Scored]:
     """``attn(x, rope=rope)`` for timm's ``EvaAttention`` or ``AttentionRope``, and the
     row the indicators score (after the rotation, as the attention sees it)."""
     B, N, _ = x.shape
@@ -70,7 +71,7 @@ def rope_attention_with_row(
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
-                      num_prefix=num_prefix, source=source)
+                      num_prefix=num_prefix, source=source, bias=bias)
     out = attn.norm(out.transpose(1, 2).reshape(B, N, -1))
     if gate is not None:
         out = out * gate
@@ -91,14 +92,14 @@ class PruneEvaBlock(_RopeFollowing, EvaBlock):
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         refuse_masks(attn_mask, is_causal)
-        rope = self._rope(rope)
-        if self.vitprune_stage is None:
-            return EvaBlock.forward(self, x, rope=rope)
         state = self.vitprune_state
-        out, row = rope_attention_with_row(self.attn, self.norm1(x), rope, state.num_prefix, state.row_source)
+        bias, rope = state.begin(x, self.vitprune_stage, self.vitprune_follow), self._rope(rope)
+        if self.vitprune_stage is None:
+            return EvaBlock.forward(self, x, rope=rope, attn_mask=bias)
+        out, scored = rope_attention_with_row(self.attn, self.norm1(x), rope, state.num_prefix, state.row_source, bias)
         if self.gamma_1 is not None:
             out = self.gamma_1 * out
-        x = state.prune(x + self.drop_path1(out), row, self.vitprune_stage)
+        x = state.prune(x + self.drop_path1(out), scored, self.vitprune_stage)
         out = self.mlp(self.norm2(x))
         if self.gamma_2 is not None:
             out = self.gamma_2 * out
@@ -111,12 +112,12 @@ class PruneEvaBlockPostNorm(_RopeFollowing, EvaBlockPostNorm):
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         refuse_masks(attn_mask, is_causal)
-        rope = self._rope(rope)
-        if self.vitprune_stage is None:
-            return EvaBlockPostNorm.forward(self, x, rope=rope)
         state = self.vitprune_state
-        out, row = rope_attention_with_row(self.attn, x, rope, state.num_prefix, state.row_source)
-        x = state.prune(x + self.drop_path1(self.norm1(out)), row, self.vitprune_stage)
+        bias, rope = state.begin(x, self.vitprune_stage, self.vitprune_follow), self._rope(rope)
+        if self.vitprune_stage is None:
+            return EvaBlockPostNorm.forward(self, x, rope=rope, attn_mask=bias)
+        out, scored = rope_attention_with_row(self.attn, x, rope, state.num_prefix, state.row_source, bias)
+        x = state.prune(x + self.drop_path1(self.norm1(out)), scored, self.vitprune_stage)
         return x + self.drop_path2(self.norm2(self.mlp(x)))
 
 

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .attention import Scored
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
-from .tokens import gather_tokens, prune_tokens
+from .merging import key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from .tokens import fuse_tokens, fusion_weights, gather_tokens, prune_tokens
 
 
 class PruneState:
@@ -27,8 +29,11 @@ class PruneState:
             for the fusion token.
         sizes: For the last forward, ``(B, n)`` float tensor: how many original patches
             each non-prefix token after the last stage that pruned stands for (1 for a
-            kept patch, the number merged for the fusion token), or ``None`` when nothing
-            was pruned. Average and attention pooling weight tokens by it.
+            kept patch, more for a token that others were merged into and for the fusion
+            token), or ``None`` when nothing was pruned. Average and attention pooling
+            weight tokens by it.
+        stage_sizes: For the last forward, by stage number: the sizes of the tokens that
+            stage left (what ``size_aware`` attention reads in the blocks after it).
     """
 
     def __init__(self, config: PruneConfig, num_prefix: int, generator: Optional[torch.Generator],
@@ -39,42 +44,101 @@ class PruneState:
         self.row_source = row_source
         self.overlap: Optional[OverlapRecord] = None
         self.positions: Dict[int, torch.Tensor] = {}
+        self.stage_sizes: Dict[int, torch.Tensor] = {}
         self.sizes: Optional[torch.Tensor] = None
 
     def scores(self, row: torch.Tensor) -> torch.Tensor:
-        """``(B, N)`` float32 scores from the class attention row ``(B, H, N)``."""
+        """``(B, N)`` float32 scores from the class attention row ``(B, H, N)`` (``"var"``
+        when the config names no indicator)."""
         if self.config.indicator == "random":
             return uniform_random(row, self.generator)
-        return SCORES[self.config.indicator](row)
+        return SCORES[self.config.indicator or "var"](row)
 
-    def prune(self, x: torch.Tensor, row: torch.Tensor, stage: int) -> torch.Tensor:
-        """Apply pruning stage ``stage`` to tokens ``x`` given the class attention ``row``."""
-        P = self.num_prefix
-        B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
+    def begin(self, x: torch.Tensor, stage: Optional[int], follow: Optional[int]) -> Optional[torch.Tensor]:
+        """Called first by every swapped block; returns the additive attention bias for ``x``.
+
+        Args:
+            x: The block's input tokens (or their norm: only the shape and dtype are read).
+            stage: The block's stage number, or ``None`` for a block that only follows.
+                Stage 0 starts a forward (fresh per-forward records).
+            follow: The stage whose output the block receives, or ``None``. Reading that
+                stage's record, not the latest, keeps recomputation (gradient checkpointing)
+                exact.
+
+        Returns:
+            With ``size_aware``, once a stage has reduced: ``log(size)`` per token
+            (:func:`~vitprune.merging.size_bias`); else ``None``.
+        """
         if stage == 0:  # fresh objects, not reads of the last forward's: no torch.compile guards on them
             self.positions = {}
+            self.stage_sizes = {}
             self.sizes = None
+        sizes = self._sizes_after(follow, x)
+        if not self.config.size_aware or sizes is None:
+            return None
+        return size_bias(sizes, self.num_prefix, x.dtype)
+
+    def _sizes_after(self, stage: Optional[int], x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The token sizes stage ``stage`` left, if they describe ``x``'s tokens."""
+        sizes = None if stage is None else self.stage_sizes.get(stage)
+        if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix):
+            return None
+        return sizes
+
+    def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
+        """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`."""
+        P = self.num_prefix
+        B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
         previous = self.positions.get(stage - 1)
         if previous is None or previous.shape != (B, n):
             previous = torch.arange(n, device=x.device).expand(B, n)
 
-        scores = self.scores(row)  # also at keep 1.0, so benchmarks there measure the scoring cost
-        k = keep_count(self.config.keep_rate[stage], n)
+        config = self.config
+        needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
+        # scored at keep 1.0 too, so benchmarks there measure the scoring cost
+        scores = self.scores(scored.row) if needs_scores else None
+        k = keep_count(config.keep_rate[stage], n)
+        sizes = self._sizes_after(stage - 1, x)
         if k == n:
             self.positions[stage] = previous
+            if sizes is not None:
+                self.stage_sizes[stage] = sizes
             return x
-        sizes = self.sizes
-        if sizes is None or sizes.shape != (B, n):
+        if sizes is None:
             sizes = x.new_ones((B, n), dtype=torch.float32)
-        x, sel = prune_tokens(x, scores, P, k, self.config.fuse, self.config.T)
-        kept = gather_tokens(previous.unsqueeze(-1), sel.keep).squeeze(-1)
-        sizes_kept = sizes.gather(1, sel.keep)
-        if x.shape[1] - P > k:
+        x, keep, drop, sizes_kept = self._reduce(x, scored, scores, sizes, k)
+        kept = gather_tokens(previous.unsqueeze(-1), keep).squeeze(-1)
+        if x.shape[1] - P > k:  # the fusion token
             kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
-            sizes_kept = torch.cat([sizes_kept, sizes.gather(1, sel.drop).sum(dim=1, keepdim=True)], dim=1)
+            sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
         self.positions[stage] = kept
-        self.sizes = sizes_kept
+        self.stage_sizes[stage] = self.sizes = sizes_kept
         return x
+
+    def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,
+                k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selection and reduction of the config: the new tokens, the kept and removed
+        indices, and the kept tokens' sizes."""
+        config, P = self.config, self.num_prefix
+        if config.selection == "top" and config.reduction != "merge":
+            x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
+            return x, sel.keep, sel.drop, sizes.gather(1, sel.keep)
+        metric = key_metric(scored.keys, P)
+        if config.selection == "top":
+            matched = match_top(scores, metric, k)
+        elif config.selection == "redundant":
+            matched = match_redundant(scores, metric, k)
+        else:
+            matched = match_bipartite(metric, k, sizes)
+        patches = x[:, P:]
+        if config.reduction == "merge":
+            merged, sizes_kept = merge_tokens(patches, sizes, matched)
+            return torch.cat([x[:, :P], merged], dim=1), matched.keep, matched.drop, sizes_kept
+        parts = [x[:, :P], gather_tokens(patches, matched.keep)]
+        if config.reduction == "fuse":
+            weights = fusion_weights(scores.gather(1, matched.drop), config.T)
+            parts.append(fuse_tokens(gather_tokens(patches, matched.drop), weights))
+        return torch.cat(parts, dim=1), matched.keep, matched.drop, sizes.gather(1, matched.keep)
 
     def kept_positions(self) -> List[torch.Tensor]:
         """``positions`` as a list in stage order (see the class docs)."""

@@ -1,4 +1,4 @@
-"""Keep the top-scoring tokens and fuse the rest into one (METHOD.md §3-4). Pure torch."""
+"""Keep the top-scoring tokens and fuse the rest into one (docs/method.md §3-5). Pure torch."""
 
 from __future__ import annotations
 
@@ -32,12 +32,17 @@ def select_top(scores: torch.Tensor, k: int) -> Selection:
     """
     if not 1 <= k <= scores.shape[1]:
         raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
-    if _is_exporting():
-        order = scores.detach().topk(scores.shape[1], dim=1, sorted=True).indices
-    else:
-        order = scores.detach().sort(dim=1, descending=True, stable=True).indices
+    order = descending_order(scores)
     keep = order[:, :k].sort(dim=1).values
     return Selection(keep=keep, drop=order[:, k:])
+
+
+def descending_order(values: torch.Tensor) -> torch.Tensor:
+    """Indices that sort each row of ``values`` from high to low, ties earlier first (a stable
+    sort); while exporting, ``topk``'s order (see :func:`select_top`). Never differentiated."""
+    if _is_exporting():
+        return values.detach().topk(values.shape[1], dim=1, sorted=True).indices
+    return values.detach().sort(dim=1, descending=True, stable=True).indices
 
 
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,231 @@
+"""Merging, matching, size bookkeeping and size-aware attention, against hand-computed cases."""
+
+import math
+
+import pytest
+import timm
+import torch
+from torch.testing import assert_close
+
+import vitprune
+from conftest import PAPER, image_batch
+from vitprune.attention import attend
+from vitprune.baseline import fit_merging, merging_config
+from vitprune.flops import schedule_flops
+from vitprune.merging import Matched, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+
+
+def unit(*rows):
+    t = torch.tensor(rows, dtype=torch.float32)
+    return (t / t.norm(dim=-1, keepdim=True)).unsqueeze(0)
+
+
+def test_merge_is_the_size_weighted_average_of_each_kept_token_and_what_joins_it():
+    tokens = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [4.0, 0.0]]])
+    sizes = torch.tensor([[1.0, 2.0, 1.0, 3.0]])
+    # token 1 joins kept token 2 (position 1 of keep), token 3 joins kept token 0 (position 0)
+    matched = Matched(keep=torch.tensor([[0, 2]]), drop=torch.tensor([[1, 3]]), dest=torch.tensor([[1, 0]]))
+    merged, new_sizes = merge_tokens(tokens, sizes, matched)
+    # by hand: (1 * [1, 0] + 3 * [4, 0]) / 4 and (1 * [2, 2] + 2 * [0, 1]) / 3
+    assert_close(merged, torch.tensor([[[13 / 4, 0.0], [2 / 3, 4 / 3]]]))
+    assert_close(new_sizes, torch.tensor([[4.0, 3.0]]))
+
+
+def test_merge_lets_gradients_reach_every_token():
+    tokens = torch.randn(1, 4, 3, requires_grad=True)
+    matched = Matched(keep=torch.tensor([[0, 2]]), drop=torch.tensor([[1, 3]]), dest=torch.tensor([[1, 1]]))
+    merge_tokens(tokens, torch.ones(1, 4), matched)[0].sum().backward()
+    assert (tokens.grad.abs().sum(-1) > 0).all()
+
+
+def test_match_top_keeps_the_best_scores_and_sends_the_rest_to_their_closest_kept_token():
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.2]])
+    metric = unit([1, 0], [0.1, 1], [0, 1], [1, 0.1])
+    matched = match_top(scores, metric, 2)
+    assert matched.keep.tolist() == [[0, 2]]
+    assert matched.drop.tolist() == [[3, 1]]  # highest pruned score first
+    assert matched.dest.tolist() == [[0, 1]]  # 3 is like 0, 1 is like 2
+
+
+def test_match_redundant_protects_the_best_scored_half_and_removes_the_closest_copy():
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.2, 0.3]])
+    # destinations: the best min(k, n // 2) = 2 scores, tokens 0 and 2. Of the rest, token 3
+    # copies token 0 almost exactly, token 1 is between, token 4 is like nothing
+    metric = unit([1, 0, 0], [1, 1, 0], [0, 1, 0], [1, 0.01, 0], [0, 0, 1])
+    matched = match_redundant(scores, metric, 4)
+    assert matched.keep.tolist() == [[0, 1, 2, 4]] and matched.drop.tolist() == [[3]]
+    assert matched.dest.tolist() == [[0]]
+    matched = match_redundant(scores, metric, 3)  # two go: 3 (to 0), then 1 (to 0 or 2: a tie, 0 first)
+    assert matched.keep.tolist() == [[0, 2, 4]] and matched.drop.tolist() == [[3, 1]]
+    assert matched.dest.tolist() == [[0, 0]]
+
+
+def test_match_bipartite_alternates_and_concatenates_as_token_merging_does():
+    metric = unit([1, 0], [1, 0.05], [0, 1], [0.05, 1], [1, 1])
+    # destinations 0, 2, 4; candidates 1 (like 0) and 3 (like 2); the closest pair goes
+    matched = match_bipartite(metric, 4)
+    assert matched.drop.tolist() == [[1]] or matched.drop.tolist() == [[3]]
+    stays = 3 if matched.drop.item() == 1 else 1
+    assert matched.keep.tolist() == [[stays, 0, 2, 4]]  # [candidates that stay, destinations]
+    merged_into = matched.keep[0, matched.dest[0, 0]].item()
+    assert merged_into == (0 if matched.drop.item() == 1 else 2)
+    # to keep fewer than half, rounds: 1 -> 0 and 3 -> 2 (keys merged: ~[1, 0] and ~[0, 1]), then of
+    # the three left ([0, 2, 4] as destinations 0 and 4 with candidate 2), 2 goes to 4 ([1, 1])
+    matched = match_bipartite(metric, 2)
+    assert matched.keep.tolist() == [[0, 4]]
+    assert matched.drop.tolist() == [[1, 2, 3]]
+    assert matched.dest.tolist() == [[0, 1, 1]]  # 3 followed 2 into 4
+
+
+def test_key_metric_averages_heads_and_skips_the_prefix():
+    keys = torch.tensor([[[[9.0, 9.0], [3.0, 4.0]], [[9.0, 9.0], [3.0, 4.0]]]])  # (1, 2 heads, 2 tokens, 2)
+    assert_close(key_metric(keys, 1), torch.tensor([[[0.6, 0.8]]]))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_size_aware_attention_equals_attending_to_repeated_tokens(fused):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    sizes = torch.tensor([[1.0, 3.0, 2.0], [2.0, 1.0, 4.0]])  # token 0 is the class token
+    repeat = [[0] + [1 + i for i, s in enumerate(row) for _ in range(int(s))] for row in sizes.tolist()]
+    drop = torch.nn.Dropout(0.0)
+    out, scored = attend(q, k, v, scale=8 ** -0.5, fused=fused, attn_drop=drop, num_prefix=1, source="cls",
+                         bias=size_bias(sizes, 1, q.dtype))
+    for b, index in enumerate(repeat):
+        kr, vr = k[b:b + 1, :, index], v[b:b + 1, :, index]
+        expected, plain = attend(q[b:b + 1], kr, vr, scale=8 ** -0.5, fused=fused, attn_drop=drop, num_prefix=1,
+                                 source="cls")
+        assert_close(out[b:b + 1], expected, rtol=1e-5, atol=1e-6)
+        # the class row over a merged token is the sum of its copies' rows
+        copies = torch.zeros_like(scored.row[b:b + 1]).index_add_(2, torch.tensor(index[1:]) - 1, plain.row)
+        assert_close(scored.row[b:b + 1], copies, rtol=1e-5, atol=1e-6)
+
+
+def test_size_bias_is_log_size_and_zero_for_prefix_tokens():
+    bias = size_bias(torch.tensor([[1.0, 4.0]]), 2, torch.float32)
+    assert bias.shape == (1, 1, 1, 4)
+    assert_close(bias.flatten(), torch.tensor([0.0, 0.0, 0.0, math.log(4.0)]))
+
+
+@pytest.mark.parametrize("selection", ["top", "redundant", "bipartite"])
+@pytest.mark.parametrize("reduction", ["merge", "fuse", "drop"])
+def test_sizes_add_up_to_the_patches_through_every_stage(tiny, selection, reduction):
+    vitprune.patch(tiny, keep_rate=0.6, stages=(2, 5, 8), selection=selection, reduction=reduction)
+    sizes_seen = []
+    state = tiny.vitprune_state
+    original = state.prune
+
+    def spy(x, scored, stage):
+        out = original(x, scored, stage)
+        sizes_seen.append(state.sizes.clone())
+        return out
+
+    state.prune = spy
+    with torch.no_grad():
+        tiny(image_batch(tiny))
+    del state.prune
+    counts = (118, 71, 43) if reduction != "fuse" else (118 + 1, 72 + 1, 44 + 1)  # ceil(0.6 n) [+ fusion]
+    assert [s.shape[1] for s in sizes_seen] == list(counts)
+    expected = [196.0] * 3 if reduction != "drop" else [118.0, 71.0, 43.0]  # dropped patches are gone
+    assert [s.sum(1)[0].item() for s in sizes_seen] == expected
+
+
+def test_size_aware_following_blocks_add_the_bias_and_only_after_the_first_stage(tiny):
+    vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6))
+    assert [type(b).__name__ for b in tiny.blocks] == ["Block"] * 3 + ["PruneBlock"] * 9
+    assert [b.vitprune_stage for b in tiny.blocks[3:]] == [0, None, None, 1] + [None] * 5
+    vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6), size_aware=False)
+    assert [type(b).__name__ for b in tiny.blocks].count("PruneBlock") == 2
+    x = image_batch(tiny)
+    with torch.no_grad():
+        plain = tiny(x)
+        vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6), size_aware=True)
+        aware = tiny(x)
+    assert not torch.allclose(plain, aware)  # the bias reached the logits
+
+
+def test_every_block_schedule_removes_tokens_in_each_block(tiny):
+    vitprune.patch(tiny, keep_rate=0.9, stages="all")
+    assert vitprune.get_config(tiny).stages == tuple(range(12))
+    with torch.no_grad():
+        tiny(image_batch(tiny))
+    counts = [p.shape[1] for p in vitprune.kept_positions(tiny)]
+    expected, n = [], 196
+    for _ in range(12):
+        n = math.ceil(0.9 * n)
+        expected.append(n)
+    assert counts == expected
+
+
+def test_merging_config_removes_r_tokens_per_block(tiny):
+    config = merging_config(tiny, 8)
+    vitprune.patch(tiny, config)
+    with torch.no_grad():
+        tiny(image_batch(tiny))
+    assert [p.shape[1] for p in vitprune.kept_positions(tiny)] == [196 - 8 * (i + 1) for i in range(12)]
+    with pytest.raises(ValueError, match="r must be"):
+        merging_config(tiny, -1)
+
+
+@pytest.mark.parametrize("share", [0.9, 0.7, 0.55])
+def test_fit_merging_fits_the_budget_within_one_token(tiny, share):
+    target = share * schedule_flops(tiny, None) / 1e9
+    config = fit_merging(tiny, target)
+    reached = schedule_flops(tiny, config)
+    assert reached <= target * 1e9
+    counts, n = [], 196
+    for rate in config.keep_rate:
+        k = vitprune.keep_count(rate, n)
+        counts.append(n - k)
+        n = k
+    r, j = min(counts), counts.count(min(counts) + 1)  # r + 1 in the first j blocks, r in the rest
+    assert counts == [r + 1] * j + [r] * (12 - j)
+    fewer = [r + 1] * (j - 1) + [r] * (13 - j) if j else [r] * 11 + [r - 1]  # one token less merged
+    assert schedule_flops(tiny, merging_config(tiny, fewer)) > target * 1e9
+
+
+@pytest.mark.parametrize("options", [
+    {}, dict(stages="all"), dict(reduction="fuse"), dict(reduction="drop", stages="all"),
+    dict(selection="top", reduction="merge"), dict(selection="bipartite", stages="all"),
+], ids=str)
+def test_fit_keep_rate_is_exact_to_one_token_for_every_schedule_and_reduction(tiny, options):
+    target = 0.7 * schedule_flops(tiny, None) / 1e9
+    rate = vitprune.fit_keep_rate(tiny, target, **options)
+    reached = schedule_flops(tiny, vitprune.PruneConfig(keep_rate=rate, **options))
+    assert reached <= target * 1e9
+    for step in range(1, 2000):
+        over = schedule_flops(tiny, vitprune.PruneConfig(keep_rate=min(1.0, rate + step * 1e-5), **options))
+        if over != reached:
+            break
+    assert over > target * 1e9
+
+
+def test_keep_1_equals_the_unpatched_model_for_every_mode(tiny):
+    x = image_batch(tiny)
+    with torch.no_grad():
+        expected = tiny(x)
+        for selection in ("top", "redundant", "bipartite"):
+            for reduction in ("merge", "fuse", "drop"):
+                vitprune.patch(tiny, keep_rate=1.0, stages="all", selection=selection, reduction=reduction)
+                assert_close(tiny(x), expected, rtol=0, atol=0)
+
+
+def test_defaults_are_the_measured_best_not_the_papers_fusion_token(tiny):
+    config = vitprune.patch(tiny).vitprune_state.config
+    assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
+    assert vitprune.PruneConfig(**PAPER).reduction == "fuse"
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(selection="best"), ValueError, "unknown selection 'best'; accepted: 'top', 'redundant', 'bipartite'"),
+    (dict(reduction="pool"), ValueError, "unknown reduction 'pool'; accepted: 'merge', 'fuse', 'drop'"),
+    (dict(size_aware=1), TypeError, "size_aware must be True or False"),
+    (dict(fuse=True, reduction="merge"), ValueError, "fuse=True means reduction='fuse'"),
+    (dict(stages="every"), TypeError, "stages must be a sequence"),
+])
+def test_new_options_are_validated_before_the_model_changes(tiny, bad, error, message):
+    before = {k: v.clone() for k, v in tiny.state_dict().items()}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        vitprune.patch(tiny, **bad)
+    assert not vitprune.is_patched(tiny) and type(tiny) is timm.models.vision_transformer.VisionTransformer
+    assert all(torch.equal(v, tiny.state_dict()[k]) for k, v in before.items())

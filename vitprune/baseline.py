@@ -1,0 +1,64 @@
+"""Token merging (Bolya et al., "Token Merging: Your ViT But Faster", ICLR 2023) as a vitprune config.
+
+Written from the paper, not from its code: in every block, between attention and MLP,
+the patch tokens are split into two alternating sets, each token of the first is joined
+to its most similar token of the second (cosine of the keys averaged over heads), and
+the ``r`` most similar pairs are merged by a size-weighted average; every later block
+adds ``log(size)`` to the attention logits (proportional attention). Prefix tokens are
+never merged. In vitprune's terms that is ``selection="bipartite"``, ``reduction="merge"``,
+``size_aware=True``, ``stages="all"``, with per-block keep rates that remove ``r`` tokens
+each, so the baseline runs through the same blocks, FLOP counter and benchmark as
+everything else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from torch import nn
+
+from .config import PruneConfig
+from .flops import num_patches, schedule_flops
+
+
+def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
+                   img_size: Optional[Sequence[int]] = None) -> PruneConfig:
+    """Token merging with ``r`` tokens merged per block (at most half the patches of a block).
+
+    Args:
+        model: The timm ViT it is meant for (its patch count and depth set the keep rates).
+        r: Tokens merged in every block, ``>= 0``, or one such count per block.
+        img_size: Input size the keep rates are worked out for; the model's own by default.
+    """
+    depth = len(model.blocks)
+    amounts = [r] * depth if isinstance(r, int) and not isinstance(r, bool) else list(r)
+    if len(amounts) != depth or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in amounts):
+        raise ValueError(f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}")
+    n = num_patches(model, img_size)
+    rates = []
+    for amount in amounts:
+        removed = min(amount, n // 2)
+        rates.append((n - removed) / n)
+        n -= removed
+    return PruneConfig(selection="bipartite", reduction="merge", size_aware=True, stages="all",
+                       keep_rate=tuple(rates))
+
+
+def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Sequence[int]] = None) -> PruneConfig:
+    """Token merging with the most tokens kept whose analytic FLOPs fit ``target_gflops``.
+
+    The schedule merges ``r + 1`` tokens in the first ``j`` blocks and ``r`` in the rest,
+    for the smallest ``(r, j)`` that fits, so the budget is met to within one token.
+
+    Raises:
+        ValueError: Even merging half the tokens in every block costs more.
+    """
+    if not target_gflops > 0:
+        raise ValueError(f"target_gflops must be > 0, got {target_gflops!r}")
+    depth, most = len(model.blocks), num_patches(model, img_size) // 2
+    for r in range(most + 1):
+        for j in range(depth):
+            config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size)
+            if schedule_flops(model, config, img_size) <= target_gflops * 1e9:
+                return config
+    raise ValueError(f"token merging cannot reach {target_gflops:.4g} GFLOPs on this model (r up to {most})")

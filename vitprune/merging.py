@@ -1,0 +1,168 @@
+"""Which tokens go when redundancy counts, and merging them into the tokens that stay. Pure torch.
+
+Three selections, all giving a :class:`Matched` (the kept and removed tokens, and for each
+removed token the kept token it is most like):
+
+- ``top`` (the paper): keep the ``k`` best-scored tokens; each removed one is matched to
+  the kept token whose key is most similar.
+- ``redundant`` (ours): the best-scored ``min(k, n // 2)`` tokens are destinations that
+  always stay; of the rest, the ``n - k`` most similar to a destination go. Important
+  tokens are never merged away, and among the unimportant ones the copies go first.
+- ``bipartite`` (token merging, Bolya et al. 2023): the same, with the destinations chosen
+  by position (every other token) instead of by score; to remove more than half, in rounds.
+
+Similarity is the cosine of the attention keys averaged over heads, as in token merging.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .tokens import descending_order, gather_tokens, select_top
+
+
+class Matched(NamedTuple):
+    """Which of ``n`` tokens stay, and where the removed ones go, per image.
+
+    Attributes:
+        keep: ``(B, k)`` indices of the kept tokens, in their original order (bipartite:
+            the candidates that stay, then the destinations, each in original order).
+        drop: ``(B, n - k)`` indices of the removed tokens.
+        dest: ``(B, n - k)``: for each removed token, the position in ``keep`` (0..k-1) of
+            the kept token most similar to it.
+    """
+
+    keep: torch.Tensor
+    drop: torch.Tensor
+    dest: torch.Tensor
+
+
+def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
+    """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads."""
+    metric = keys[:, :, num_prefix:].mean(dim=1)
+    return metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _positions_in(keep: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """For token indices ``index`` (all in ``keep``), their positions within ``keep``."""
+    lookup = keep.new_zeros(keep.shape[0], n)
+    lookup.scatter_(1, keep, torch.arange(keep.shape[1], device=keep.device).expand_as(keep))
+    return lookup.gather(1, index)
+
+
+def match_top(scores: torch.Tensor, metric: torch.Tensor, k: int) -> Matched:
+    """Keep the ``k`` best-scored tokens; match each removed one to its most similar kept token."""
+    sel = select_top(scores, k)
+    similarity = gather_tokens(metric, sel.drop) @ gather_tokens(metric, sel.keep).transpose(1, 2)
+    return Matched(sel.keep, sel.drop, similarity.argmax(dim=-1))
+
+
+def match_redundant(priority: torch.Tensor, metric: torch.Tensor, k: int) -> Matched:
+    """Remove the ``n - k`` tokens most similar to a destination, among the non-destinations.
+
+    Args:
+        priority: ``(B, n)``; the ``min(k, n // 2)`` highest are the destinations (ties:
+            the earlier token), which always stay.
+        metric: ``(B, n, d)`` unit vectors (:func:`key_metric`).
+        k: Tokens kept, ``1 <= k <= n``.
+    """
+    n = priority.shape[1]
+    _check_k(k, n)
+    return _match(descending_order(priority), max(1, min(k, n // 2)), metric, k, concat=False)
+
+
+def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] = None) -> Matched:
+    """Token merging's bipartite matching: tokens 0, 2, 4, ... are the destinations, the
+    others the candidates, and the kept tokens come back as [candidates that stay,
+    destinations], as the paper concatenates the two sets (so the next block's
+    alternation runs over that order).
+
+    One round removes at most half the tokens. To keep ``k < ceil(n / 2)`` the matching
+    runs in rounds, each on the tokens the last one left (their keys merged as
+    ``sizes``-weighted averages, ``sizes`` defaulting to ones), until ``k`` remain; the
+    result maps every token to the kept token it ends up in.
+    """
+    B, n, _ = metric.shape
+    _check_k(k, n)
+    if 2 * k >= n:
+        return _bipartite_round(metric, k)
+    sizes = metric.new_ones(B, n) if sizes is None else sizes.to(metric.dtype)
+    slot = torch.arange(n, device=metric.device).expand(B, n)  # each token's place among the current ones
+    origin = slot  # each current token's original index
+    current = n
+    while current > k:
+        step = _bipartite_round(metric, current - min(current - k, current // 2))
+        place = torch.empty_like(slot[:, :current])
+        place.scatter_(1, step.keep, torch.arange(step.keep.shape[1], device=metric.device).expand_as(step.keep))
+        place.scatter_(1, step.drop, step.dest)
+        slot, origin = place.gather(1, slot), origin.gather(1, step.keep)
+        merged, sizes = merge_tokens(metric, sizes, step)
+        metric = merged / merged.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        current = step.keep.shape[1]
+    kept = torch.zeros(B, n, device=metric.device).scatter(1, origin, 1.0)
+    drop = descending_order(-kept)[:, :n - k]  # the tokens not kept, in index order
+    return Matched(origin, drop, slot.gather(1, drop))
+
+
+def _bipartite_round(metric: torch.Tensor, k: int) -> Matched:
+    B, n, _ = metric.shape
+    index = torch.arange(n, device=metric.device)
+    order = torch.cat([index[0::2], index[1::2]]).expand(B, n)
+    return _match(order, (n + 1) // 2, metric, k, concat=True)
+
+
+def _check_k(k: int, n: int) -> None:
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}], got {k}")
+
+
+def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat: bool) -> Matched:
+    """``order[:, :split]`` are destinations; remove the ``n - k`` others closest to one."""
+    n = order.shape[1]
+    dst, src = order[:, :split], order[:, split:]
+    metric = metric.detach()
+    similarity = gather_tokens(metric, src) @ gather_tokens(metric, dst).transpose(1, 2)
+    best, partner = similarity.max(dim=-1)  # (B, n - split): each candidate's closest destination
+    ranked = descending_order(best)
+    removed, stays = ranked[:, :n - k], ranked[:, n - k:]
+    stay = src.gather(1, stays).sort(dim=1).values
+    if concat:
+        keep = torch.cat([stay, dst.sort(dim=1).values], dim=1)
+    else:
+        keep = torch.cat([dst, stay], dim=1).sort(dim=1).values
+    drop = src.gather(1, removed)
+    dest = _positions_in(keep, dst.gather(1, partner.gather(1, removed)), n)
+    return Matched(keep, drop, dest)
+
+
+def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Size-weighted averages of each kept token and the removed tokens matched to it.
+
+    Args:
+        tokens: ``(B, n, C)``.
+        sizes: ``(B, n)`` float: how many original patches each token holds.
+        matched: The selection.
+
+    Returns:
+        ``(B, k, C)`` tokens and their ``(B, k)`` sizes; a kept token ``j`` becomes
+        ``(s_j x_j + sum_i s_i x_i) / (s_j + sum_i s_i)`` over the removed ``i`` matched to it.
+    """
+    weights = sizes.to(tokens.dtype).unsqueeze(-1)
+    summed = gather_tokens(tokens * weights, matched.keep)
+    dest = matched.dest.unsqueeze(-1)
+    summed = summed.scatter_add(1, dest.expand(-1, -1, tokens.shape[-1]),
+                                gather_tokens(tokens * weights, matched.drop))
+    new_sizes = sizes.gather(1, matched.keep).scatter_add(1, matched.dest, sizes.gather(1, matched.drop))
+    return summed / new_sizes.to(tokens.dtype).unsqueeze(-1), new_sizes
+
+
+def size_bias(sizes: torch.Tensor, num_prefix: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(B, 1, 1, P + n)`` additive attention bias: ``log s`` for each key holding ``s`` patches.
+
+    Adding it to the logits makes a token count as its ``s`` patches would: attending to it
+    once with ``+log s`` equals attending to ``s`` copies of it (prefix tokens hold one).
+    """
+    bias = torch.cat([sizes.new_ones(sizes.shape[0], num_prefix), sizes], dim=1).log()
+    return bias.to(dtype)[:, None, None, :]
