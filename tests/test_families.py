@@ -104,9 +104,11 @@ def test_pruning_runs_and_unpatch_restores(name, options):
 
 @pytest.mark.parametrize("name", ["gap, no class token", "siglip map (attention pool)", "registers, no class token"])
 def test_models_without_a_class_token_score_the_mean_received_attention(name):
-    model = vitprune.patch(build(name), keep_rate=0.5)
+    model = vitprune.patch(build(name), keep_rate=0.5, indicator="var")
     assert model.vitprune_state.row_source == "mean"
-    assert vitprune.patch(build("CLIP tower")).vitprune_state.row_source == "cls"
+    assert vitprune.patch(build("CLIP tower"), indicator="var").vitprune_state.row_source == "cls"
+    # bipartite merging needs no score: no row, and the fused attention path
+    assert vitprune.patch(build(name), keep_rate=0.5).vitprune_state.row_source == "none"
 
 
 def test_sizes_count_the_patches_each_token_stands_for():

@@ -55,23 +55,26 @@ class Scored(NamedTuple):
     """What a pruning block hands to the reduction step.
 
     Attributes:
-        row: ``(B, H, N)`` float32: the per-head attention the indicators score.
+        row: ``(B, H, N)`` float32: the per-head attention the indicators score, or ``None``
+            when the reduction needs no score.
         keys: ``(B, H, P + N, d)``: the keys as the attention used them (for similarity).
     """
 
-    row: torch.Tensor
+    row: Optional[torch.Tensor]
     keys: torch.Tensor
 
 
 def join_scored(parts: "list[Scored]") -> Scored:
     """One :class:`Scored` for parallel attentions: their heads side by side."""
-    return Scored(torch.cat([p.row for p in parts], dim=1), torch.cat([p.keys for p in parts], dim=1))
+    row = None if parts[0].row is None else torch.cat([p.row for p in parts], dim=1)
+    return Scored(row, torch.cat([p.keys for p in parts], dim=1))
 
 
 #: Where the per-head attention that the indicators score comes from (docs/method.md §1):
 #: ``"cls"``, the class token's row; ``"mean"``, for models without a class token, the mean
-#: attention each patch receives over all queries (needs the full matrix in pruning blocks).
-ROW_SOURCES = ("cls", "mean")
+#: attention each patch receives over all queries (needs the full matrix in pruning blocks);
+#: ``"none"`` when no score is needed (bipartite merging): no row at all.
+ROW_SOURCES = ("cls", "mean", "none")
 
 
 def attend(
@@ -101,13 +104,21 @@ def attend(
 
     Returns:
         The attention output ``(B, H, L, d)``, and the row ``(B, H, L - num_prefix)`` in
-        float32 with the keys.
+        float32 (``None`` for ``source="none"``) with the keys.
     """
-    if source == "mean" or not fused:
+    if source == "none" and fused:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
+                                             dropout_p=attn_drop.p if attn_drop.training else 0.0)
+        return out, Scored(None, k)
+    if source != "cls" or not fused:
         logits = (q * scale) @ k.transpose(-2, -1)
         weights = (logits if bias is None else logits + bias).softmax(dim=-1)
-        row = weights.float().mean(dim=2)[..., num_prefix:] if source == "mean" else \
-            class_attention_row(q, k, scale, num_prefix, bias)
+        if source == "none":
+            row = None
+        elif source == "mean":
+            row = weights.float().mean(dim=2)[..., num_prefix:]
+        else:
+            row = class_attention_row(q, k, scale, num_prefix, bias)
         return attn_drop(weights) @ v, Scored(row, k)
     row = class_attention_row(q, k, scale, num_prefix, bias)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=attn_drop.p if attn_drop.training else 0.0)

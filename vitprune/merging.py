@@ -149,11 +149,10 @@ def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched) ->
         ``(B, k, C)`` tokens and their ``(B, k)`` sizes; a kept token ``j`` becomes
         ``(s_j x_j + sum_i s_i x_i) / (s_j + sum_i s_i)`` over the removed ``i`` matched to it.
     """
-    weights = sizes.to(tokens.dtype).unsqueeze(-1)
-    summed = gather_tokens(tokens * weights, matched.keep)
+    weighted = tokens * sizes.to(tokens.dtype).unsqueeze(-1)
+    summed = gather_tokens(weighted, matched.keep)
     dest = matched.dest.unsqueeze(-1)
-    summed = summed.scatter_add(1, dest.expand(-1, -1, tokens.shape[-1]),
-                                gather_tokens(tokens * weights, matched.drop))
+    summed = summed.scatter_add(1, dest.expand(-1, -1, tokens.shape[-1]), gather_tokens(weighted, matched.drop))
     new_sizes = sizes.gather(1, matched.keep).scatter_add(1, matched.dest, sizes.gather(1, matched.drop))
     return summed / new_sizes.to(tokens.dtype).unsqueeze(-1), new_sizes
 

@@ -41,7 +41,8 @@ class PruneState:
         self.config = config
         self.num_prefix = num_prefix
         self.generator = generator
-        self.row_source = row_source
+        self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
+        self.row_source = row_source if self.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
         self.positions: Dict[int, torch.Tensor] = {}
         self.stage_sizes: Dict[int, torch.Tensor] = {}
@@ -94,9 +95,8 @@ class PruneState:
             previous = torch.arange(n, device=x.device).expand(B, n)
 
         config = self.config
-        needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
-        scores = self.scores(scored.row) if needs_scores else None
+        scores = self.scores(scored.row) if self.needs_scores else None
         k = keep_count(config.keep_rate[stage], n)
         sizes = self._sizes_after(stage - 1, x)
         if k == n:
