@@ -148,7 +148,7 @@ def row(record: Dict[str, Any], method: str, budget: float, model: torch.nn.Modu
             "keep_rate": None if config is None else list(config.keep_rate), "accuracy": acc}
 
 
-def report(paths: List[str], docs: Path, out_name: str) -> None:
+def report(paths: List[str], docs: Path, out_name: str, note: str = "") -> None:
     rows, commands = [], []
     for path in paths:
         record = json.loads(Path(path).read_text())
@@ -164,7 +164,7 @@ def report(paths: List[str], docs: Path, out_name: str) -> None:
              "Top-1 accuracy (%), mean ± standard deviation over the trained seeds (n per cell), "
              "each method fitted to the budget (share of the unpruned model's analytic FLOPs; the "
              "share each reaches is at most the budget, in brackets where it is lower by more than "
-             "1 point).\n"]
+             "1 point).\n"] + ([note + "\n"] if note else [])
     for dataset in dict.fromkeys(s["dataset"] for s in summary):
         cells = [s for s in summary if s["dataset"] == dataset]
         base = next(s for s in cells if s["method"] == "unpruned")
@@ -226,9 +226,10 @@ def main() -> None:
     parser.add_argument("--finetune", action="store_true",
                         help=f"fine-tune {STEPS} steps with each of {FINETUNED} active, then evaluate")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="write docs/NAME.md/.png from these")
+    parser.add_argument("--note", default="", help="a paragraph for the report (with --report)")
     args = parser.parse_args()
     if args.report:
-        report(args.report, Path(args.docs), args.name)
+        report(args.report, Path(args.docs), args.name, args.note)
     elif args.checkpoints:
         (finetune if args.finetune else run)(args)
     else:

@@ -40,7 +40,7 @@ def main() -> None:
     model = timm.create_model(
         "vit_tiny_patch16_224", img_size=32, patch_size=4, embed_dim=96, depth=6, num_heads=3, num_classes=4,
     )
-    vitprune.patch(model, indicator="var", keep_rate=args.keep_rate)  # the one added line
+    vitprune.patch(model, keep_rate=args.keep_rate)  # the one added line (the measured-best defaults)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     data = torch.Generator().manual_seed(1)

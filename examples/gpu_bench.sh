@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu
 python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)" | tee -a "$out/gpu_name.txt"
 common=(--device cuda --dtype bf16 --batch 256 --keep-rates 1.0 0.7 --rounds 10 --warmup 3 --no-progress)
 for model in deit_small_patch16_224 vit_base_patch16_224; do
-  vitprune bench --model "$model" "${common[@]}" --indicators var medad --out "$out/gpu_${model}_eager.json"
+  vitprune bench --model "$model" "${common[@]}" --indicators default var medad --out "$out/gpu_${model}_eager.json"
   vitprune bench --model "$model" "${common[@]}" --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
 done
 python examples/gpu_checks.py | tee "$out/gpu_checks.txt"

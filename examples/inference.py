@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--pretrained", action="store_true", help="load timm's weights (needs them cached)")
     parser.add_argument("--image", default=None, help="an image file; default: a random batch")
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--indicator", default="var", choices=vitprune.INDICATORS)
+    parser.add_argument("--indicator", default=None, choices=vitprune.INDICATORS,
+                        help="choose tokens by this score (the paper's top-k) instead of the defaults' matching")
     parser.add_argument("--keep-rate", type=float, default=0.7)
     args = parser.parse_args()
 
@@ -57,7 +58,8 @@ def main() -> None:
     config = vitprune.get_config(pruned)
     counts = [p.shape[1] for p in vitprune.kept_positions(pruned)]
     agree = (full_logits.argmax(-1) == pruned_logits.argmax(-1)).float().mean().item()
-    print(f"{args.model}: {config.indicator}, keep {config.keep_rate} at blocks {config.stages}")
+    print(f"{args.model}: {config.selection} selection ({config.indicator or 'no indicator'}), "
+          f"{config.reduction}, keep {config.keep_rate} at blocks {config.stages}")
     print(f"non-prefix tokens after each stage: {counts} (of {model.patch_embed.num_patches})")
     print(f"GFLOPs per image: {analytic_flops(model) / 1e9:.2f} -> {analytic_flops(pruned) / 1e9:.2f}")
     print(f"time for {x.shape[0]} image(s), one pass each: pruned/unpruned = {(end - middle) / (middle - start):.2f}")

@@ -29,7 +29,7 @@ def photograph() -> None:
 
     torch.manual_seed(0)
     model = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
-    vitprune.patch(model, indicator="var", keep_rate=0.7)
+    vitprune.patch(model, indicator="var", keep_rate=0.7, stages=None)  # the paper's stages: three panels
     x, display = prepare_timm(model, Image.fromarray(load_sample_image("china.jpg")))
     figure = vitprune.visualize(model, x, display)
     figure.suptitle("var, keep 0.7 - deit_small with RANDOM weights: mechanics only", fontsize=10)
@@ -38,7 +38,7 @@ def photograph() -> None:
 
 def shipped(dataset: str, indicator: str = "var", keep_rate: float = 0.5, count: int = 4) -> None:
     model, _ = load_shipped(dataset)
-    vitprune.patch(model, indicator=indicator, keep_rate=keep_rate)
+    vitprune.patch(model, indicator=indicator, keep_rate=keep_rate, stages=None)
     images, labels = load_test_subset(dataset)
     x = datasets.to_input(images[:count])
     with torch.no_grad():

@@ -119,7 +119,8 @@ def _check_k(k: int, n: int) -> None:
 
 
 def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat: bool) -> Matched:
-    """``order[:, :split]`` are destinations; remove the ``n - k`` others closest to one."""
+    """``order[:, :split]`` are destinations; remove the ``n - k`` others closest to one.
+    With ``concat`` the destinations must already be in index order (bipartite's are)."""
     n = order.shape[1]
     dst, src = order[:, :split], order[:, split:]
     metric = metric.detach()
@@ -128,13 +129,11 @@ def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat
     ranked = descending_order(best)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:]
     stay = src.gather(1, stays).sort(dim=1).values
-    if concat:
-        keep = torch.cat([stay, dst.sort(dim=1).values], dim=1)
-    else:
-        keep = torch.cat([dst, stay], dim=1).sort(dim=1).values
-    drop = src.gather(1, removed)
-    dest = _positions_in(keep, dst.gather(1, partner.gather(1, removed)), n)
-    return Matched(keep, drop, dest)
+    drop, partner = src.gather(1, removed), partner.gather(1, removed)
+    if concat:  # [stay, dst]: destination j sits at len(stay) + j
+        return Matched(torch.cat([stay, dst], dim=1), drop, partner + stay.shape[1])
+    keep = torch.cat([dst, stay], dim=1).sort(dim=1).values
+    return Matched(keep, drop, _positions_in(keep, dst.gather(1, partner), n))
 
 
 def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -163,5 +162,5 @@ def size_bias(sizes: torch.Tensor, num_prefix: int, dtype: torch.dtype) -> torch
     Adding it to the logits makes a token count as its ``s`` patches would: attending to it
     once with ``+log s`` equals attending to ``s`` copies of it (prefix tokens hold one).
     """
-    bias = torch.cat([sizes.new_ones(sizes.shape[0], num_prefix), sizes], dim=1).log()
+    bias = torch.nn.functional.pad(sizes.log(), (num_prefix, 0))  # log 1 = 0 for prefix tokens
     return bias.to(dtype)[:, None, None, :]

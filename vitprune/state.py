@@ -107,7 +107,7 @@ class PruneState:
         if sizes is None:
             sizes = x.new_ones((B, n), dtype=torch.float32)
         x, keep, drop, sizes_kept = self._reduce(x, scored, scores, sizes, k)
-        kept = gather_tokens(previous.unsqueeze(-1), keep).squeeze(-1)
+        kept = previous.gather(1, keep)
         if x.shape[1] - P > k:  # the fusion token
             kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
