@@ -17,8 +17,8 @@ token) and ``fit_merging`` for the token-merging baseline (``r + 1`` tokens in t
 (merge, fuse, drop) x schedule (the paper's 3 stages, every block) x size-aware attention
 (on, off), plus random selection and the baseline; ``--grid final`` runs the methods the
 README compares; ``--finetune`` fine-tunes the default, the baseline and the paper's method
-(and the unpruned model) for 100 steps each before evaluating. ``--report`` writes
-docs/NAME.md and docs/NAME.png from results JSON.
+(and the unpruned model) for 100 steps each before evaluating. ``--report`` writes a
+markdown table and a plot, named after ``--name``, into ``--docs`` from results JSON.
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def main() -> None:
     parser.add_argument("--docs", default="docs")
     parser.add_argument("--finetune", action="store_true",
                         help=f"fine-tune {STEPS} steps with each of {FINETUNED} active, then evaluate")
-    parser.add_argument("--report", nargs="+", metavar="JSON", help="write docs/NAME.md/.png from these")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="write the table and plot from these")
     parser.add_argument("--note", default="", help="a paragraph for the report (with --report)")
     args = parser.parse_args()
     if args.report:

@@ -15,7 +15,7 @@ SELECTIONS: Tuple[str, ...] = get_args(Selection)
 Reduction = Literal["merge", "fuse", "drop"]
 REDUCTIONS: Tuple[str, ...] = get_args(Reduction)
 
-#: The defaults, chosen by the experiments in docs/accuracy.md (see docs/method.md).
+#: The defaults, chosen by the experiments in docs/merging.md (see docs/method.md §9).
 DEFAULT_SELECTION = "bipartite"
 DEFAULT_REDUCTION = "merge"
 DEFAULT_SIZE_AWARE = True

@@ -122,9 +122,9 @@ def main(args: argparse.Namespace) -> int:
     rows: List[Dict[str, object]] = []
     for dataset in args.datasets:
         rows += run_dataset(dataset, args.indicators, args.keep_rates, args.rounds)
-    print("Shipped small ViTs (vitprune/assets), reduced at blocks (1, 3, 4) of 6: 'default' is "
-          "vitprune.patch(model, keep_rate=...), 'var'/'medad' the paper's method; "
-          "speedup measured here, batch 256, median of interleaved rounds")
+    print("Shipped small ViTs (vitprune/assets): 'default' is vitprune.patch(model, keep_rate=...), a few "
+          "tokens merged in every block at about the paper's cost; 'var'/'medad' the paper's method at "
+          "blocks (1, 3, 4) of 6; speedup measured here, batch 256, median of interleaved rounds")
     print(format_rows(rows))
     plot(rows, args.out)
     print(f"wrote {args.out}")
