@@ -173,11 +173,11 @@ class PruneConfig:
         blocks, so about the FLOPs) do not exceed those of the paper's stages at ``keep_rate``."""
         paper = dataclasses.replace(self, stages=None).resolve(depth)
         fuse = self.reduction == "fuse"
-        budget = _token_total(_token_counts(paper.keep_rate, paper.stages, depth, num_patches, fuse), num_patches)
+        budget = _token_total(token_counts(paper.keep_rate, paper.stages, depth, num_patches, fuse), num_patches)
         every = tuple(range(depth))
 
         def counts(rate: float) -> Tuple[int, ...]:
-            return _token_counts((rate,) * depth, every, depth, num_patches, fuse)
+            return token_counts((rate,) * depth, every, depth, num_patches, fuse)
 
         def tokens(rate: float) -> int:
             return _token_total(counts(rate), num_patches)
@@ -247,9 +247,10 @@ class PruneConfig:
         return dataclasses.replace(self, stages=stages, keep_rate=keep)
 
 
-def _token_counts(rates: Tuple[float, ...], stages: Tuple[int, ...], depth: int, n: int,
-                  fuse: bool) -> Tuple[int, ...]:
-    """Non-prefix tokens after every block, for ``n`` patches."""
+def token_counts(rates: Tuple[float, ...], stages: Tuple[int, ...], depth: int, n: int,
+                 fuse: bool) -> Tuple[int, ...]:
+    """Non-prefix tokens after every block, for ``n`` patches, when the blocks ``stages``
+    keep ``rates`` of theirs (plus a fusion token with ``fuse``)."""
     counts, rate_of = [], dict(zip(stages, rates))
     for index in range(depth):
         if index in rate_of:

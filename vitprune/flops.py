@@ -22,7 +22,8 @@ import torch
 from timm.models.vision_transformer import Block, ResPostBlock
 from torch import nn
 
-from .config import PruneConfig, keep_count
+from .config import PruneConfig, token_counts
+from .merging import bipartite_rounds
 from .patching import is_patched, get_config
 
 
@@ -36,19 +37,12 @@ class BlockTokens:
 
 def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, num_patches: int) -> List[BlockTokens]:
     """The tokens each block sees under ``config`` (``None``: unpruned)."""
-    stage_of = {}
+    counts = (num_patches,) * depth
     if config is not None:
         config = config.resolve(depth, num_patches)
-        stage_of = {index: number for number, index in enumerate(config.stages)}
-    n = num_patches
-    schedule = []
-    for index in range(depth):
-        before = num_prefix + n
-        if index in stage_of:
-            k = keep_count(config.keep_rate[stage_of[index]], n)
-            n = k + 1 if config.reduction == "fuse" and k < n else k
-        schedule.append(BlockTokens(attn=before, mlp=num_prefix + n))
-    return schedule
+        counts = token_counts(config.keep_rate, config.stages, depth, num_patches, config.reduction == "fuse")
+    before = (num_patches,) + counts[:-1]
+    return [BlockTokens(attn=num_prefix + a, mlp=num_prefix + m) for a, m in zip(before, counts)]
 
 
 def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Module) -> int:
@@ -65,11 +59,9 @@ def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Mod
         if config.selection == "top":
             total += removed * kept * d
         else:
-            if config.selection == "bipartite":
-                current = n
-                while current > kept:  # rounds of at most half (see merging.match_bipartite)
-                    total += (current // 2) * ((current + 1) // 2) * d
-                    current -= min(current - kept, current // 2)
+            if config.selection == "bipartite":  # each round: candidates x destinations
+                for before in [n] + bipartite_rounds(n, kept)[:-1]:
+                    total += (before // 2) * ((before + 1) // 2) * d
             else:
                 split = max(1, min(kept, n // 2))
                 total += (n - split) * split * d

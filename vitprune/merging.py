@@ -92,18 +92,28 @@ def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] 
     slot = torch.arange(n, device=metric.device).expand(B, n)  # each token's place among the current ones
     origin = slot  # each current token's original index
     current = n
-    while current > k:
-        step = _bipartite_round(metric, current - min(current - k, current // 2))
+    for after in bipartite_rounds(n, k):
+        step = _bipartite_round(metric, after)
         place = torch.empty_like(slot[:, :current])
         place.scatter_(1, step.keep, torch.arange(step.keep.shape[1], device=metric.device).expand_as(step.keep))
         place.scatter_(1, step.drop, step.dest)
         slot, origin = place.gather(1, slot), origin.gather(1, step.keep)
         merged, sizes = merge_tokens(metric, sizes, step)
         metric = merged / merged.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        current = step.keep.shape[1]
+        current = after
     kept = torch.zeros(B, n, device=metric.device).scatter(1, origin, 1.0)
     drop = descending_order(-kept)[:, :n - k]  # the tokens not kept, in index order
     return Matched(origin, drop, slot.gather(1, drop))
+
+
+def bipartite_rounds(n: int, k: int) -> "list[int]":
+    """Tokens left after each round of bipartite matching from ``n`` down to ``k``: each
+    round removes at most half (``[k]`` alone when ``2 k >= n``, none when ``k == n``)."""
+    left = []
+    while n > k:
+        n = n - min(n - k, n // 2)  # not -=: under tracing n may be a shape tensor
+        left.append(n)
+    return left
 
 
 def _bipartite_round(metric: torch.Tensor, k: int) -> Matched:

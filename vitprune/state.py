@@ -11,7 +11,7 @@ from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
 from .merging import key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
-from .tokens import fuse_tokens, fusion_weights, gather_tokens, prune_tokens
+from .tokens import keep_or_fuse, prune_tokens
 
 
 class PruneState:
@@ -130,15 +130,11 @@ class PruneState:
             matched = match_redundant(scores, metric, k)
         else:
             matched = match_bipartite(metric, k, sizes)
-        patches = x[:, P:]
         if config.reduction == "merge":
-            merged, sizes_kept = merge_tokens(patches, sizes, matched)
+            merged, sizes_kept = merge_tokens(x[:, P:], sizes, matched)
             return torch.cat([x[:, :P], merged], dim=1), matched.keep, matched.drop, sizes_kept
-        parts = [x[:, :P], gather_tokens(patches, matched.keep)]
-        if config.reduction == "fuse":
-            weights = fusion_weights(scores.gather(1, matched.drop), config.T)
-            parts.append(fuse_tokens(gather_tokens(patches, matched.drop), weights))
-        return torch.cat(parts, dim=1), matched.keep, matched.drop, sizes.gather(1, matched.keep)
+        x = keep_or_fuse(x, matched.keep, matched.drop, P, config.reduction == "fuse", scores, config.T)
+        return x, matched.keep, matched.drop, sizes.gather(1, matched.keep)
 
     def kept_positions(self) -> List[torch.Tensor]:
         """``positions`` as a list in stage order (see the class docs)."""

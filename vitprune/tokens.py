@@ -89,9 +89,16 @@ def prune_tokens(
         ``(B, num_prefix + k [+ 1], C)`` tokens, and the selection made.
     """
     sel = select_top(scores, k)
+    return keep_or_fuse(x, sel.keep, sel.drop, num_prefix, fuse, scores, T), sel
+
+
+def keep_or_fuse(x: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, num_prefix: int, fuse: bool,
+                 scores: "torch.Tensor | None", T: float) -> torch.Tensor:
+    """The prefix tokens, the ``keep`` tokens, and with ``fuse`` one fusion token of the
+    ``drop`` tokens (weighted by their ``scores``, see :func:`fusion_weights`)."""
     patches = x[:, num_prefix:]
-    parts = [x[:, :num_prefix], gather_tokens(patches, sel.keep)]
-    if fuse and sel.drop.shape[1] > 0:
-        weights = fusion_weights(scores.gather(1, sel.drop), T)
-        parts.append(fuse_tokens(gather_tokens(patches, sel.drop), weights))
-    return torch.cat(parts, dim=1), sel
+    parts = [x[:, :num_prefix], gather_tokens(patches, keep)]
+    if fuse and drop.shape[1] > 0:
+        weights = fusion_weights(scores.gather(1, drop), T)
+        parts.append(fuse_tokens(gather_tokens(patches, drop), weights))
+    return torch.cat(parts, dim=1)
