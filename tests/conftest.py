@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Dict
 
 import pytest
 import timm
 import torch
+from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
 
 #: The families the equivalence tests cover, each small enough for a CPU test.
 MODEL_FACTORIES: Dict[str, Callable[[], torch.nn.Module]] = {
@@ -36,6 +38,76 @@ PAPER = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
 def paper(**options):
     """``PAPER`` with ``options`` overriding it (for example other stages)."""
     return {**PAPER, **options}
+
+
+_tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
+
+#: Every supported family, shrunk (small images, few blocks), random weights.
+FAMILIES: Dict[str, Callable[[], torch.nn.Module]] = {
+    "ResPostBlock": lambda: _tiny(block_fn=ResPostBlock),
+    "ParallelThingsBlock": lambda: _tiny(block_fn=ParallelThingsBlock),
+    "ParallelScalingBlock": lambda: _tiny(block_fn=ParallelScalingBlock),
+    "ParallelScalingBlock, no qkv bias": lambda: _tiny(block_fn=ParallelScalingBlock, qkv_bias=False),
+    "ParallelScalingBlock, RmsNorm, qk-norm (xp)":
+        lambda: timm.create_model("vit_base_patch16_xp_224", img_size=64, depth=4),
+    "ParallelScalingBlock, register, gap (pwee)":
+        lambda: timm.create_model("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4),
+    "ResPostBlock, gap (rpn)": lambda: timm.create_model("vit_base_patch16_rpn_224", img_size=64, depth=4),
+    "CLIP tower": lambda: timm.create_model("vit_base_patch16_clip_224", img_size=64, depth=4),
+    "DINOv2": lambda: timm.create_model("vit_small_patch14_dinov2", img_size=56, depth=4),
+    "hybrid (ResNet stem)": lambda: timm.create_model("vit_tiny_r_s16_p8_224", img_size=128),
+    "flexivit": lambda: timm.create_model("flexivit_small", img_size=64, depth=4),
+    "gap, no class token": lambda: timm.create_model("vit_base_patch16_gap_224", img_size=64, depth=4),
+    "avgmax, no class token": lambda: _tiny(class_token=False, global_pool="avgmax"),
+    "max, no class token": lambda: _tiny(class_token=False, global_pool="max"),
+    "siglip gap": lambda: timm.create_model("vit_base_patch16_siglip_gap_224", img_size=64, depth=4),
+    "siglip map (attention pool)": lambda: timm.create_model("vit_base_patch16_siglip_224", img_size=64, depth=4),
+    "registers, no class token": lambda: timm.create_model("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4),
+    "Eva02 (rope, SwiGLU, avg pool)": lambda: timm.create_model("eva02_tiny_patch14_224", img_size=56, depth=4),
+    "rope ViT (AttentionRope)": lambda: timm.create_model("vit_small_patch16_rope_224", img_size=64, depth=4),
+    "mixed rope (per-head tables)": lambda: timm.create_model("vit_small_patch16_rope_mixed_224", img_size=64, depth=4),
+    "PE core (rope, map pool)": lambda: timm.create_model("vit_pe_core_tiny_patch16_384", img_size=64, depth=4),
+    "DINOv3 (rope, registers)": lambda: timm.create_model("vit_small_patch16_dinov3", img_size=64, depth=4),
+    "BEiT (relative position bias)": lambda: timm.create_model("beit_base_patch16_224", img_size=64, depth=4),
+    "relpos, no class token": lambda: timm.create_model("vit_relpos_small_patch16_224", img_size=64, depth=4),
+    "relpos, class token, token pool": lambda: timm.create_model("vit_relpos_base_patch16_cls_224", img_size=64, depth=4),
+    "relpos, res-post blocks": lambda: timm.create_model("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4),
+    "shared relpos": lambda: timm.create_model("vit_srelpos_small_patch16_224", img_size=64, depth=4),
+}
+
+
+def build(name):
+    torch.manual_seed(0)
+    return FAMILIES[name]().eval()
+
+
+def images(model, batch=3, seed=1):
+    return torch.randn(batch, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(seed))
+
+
+def all_blocks(model):
+    return tuple(range(len(model.blocks)))
+
+
+def snapshot(model):
+    """Everything a patch could change: classes, attribute names, tensors (values and
+    dtypes), and which parameter objects the model holds."""
+    return {
+        "types": [(name, type(m)) for name, m in model.named_modules()],
+        "attrs": [(name, sorted(vars(m))) for name, m in model.named_modules()],
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "params": [(name, id(p)) for name, p in model.named_parameters()],
+    }
+
+
+def assert_same(before, after):
+    assert before["types"] == after["types"]
+    assert before["attrs"] == after["attrs"]
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert value.dtype == after["state"][key].dtype, key
+        assert torch.equal(value, after["state"][key]), key
+    assert before["params"] == after["params"]
 
 
 @pytest.fixture

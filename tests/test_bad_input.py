@@ -8,7 +8,7 @@ from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
 import vitprune
-from test_patch_lifecycle import assert_same, snapshot
+from conftest import assert_same, snapshot
 
 BAD_OPTIONS = [
     ({"indicator": "entropy"}, ValueError, "accepted: 'var', 'medad', 'cls', 'random'"),

@@ -5,63 +5,12 @@ class token score the mean attention each patch receives; their pruning blocks u
 explicit attention path, so they match the fused unpatched model to float tolerance.
 """
 
-from functools import partial
-
 import pytest
 import timm
 import torch
-from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
 
 import vitprune
-from conftest import PAPER, paper
-
-tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
-
-FAMILIES = {
-    "ResPostBlock": lambda: tiny(block_fn=ResPostBlock),
-    "ParallelThingsBlock": lambda: tiny(block_fn=ParallelThingsBlock),
-    "ParallelScalingBlock": lambda: tiny(block_fn=ParallelScalingBlock),
-    "ParallelScalingBlock, no qkv bias": lambda: tiny(block_fn=ParallelScalingBlock, qkv_bias=False),
-    "ParallelScalingBlock, RmsNorm, qk-norm (xp)":
-        lambda: timm.create_model("vit_base_patch16_xp_224", img_size=64, depth=4),
-    "ParallelScalingBlock, register, gap (pwee)":
-        lambda: timm.create_model("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4),
-    "ResPostBlock, gap (rpn)": lambda: timm.create_model("vit_base_patch16_rpn_224", img_size=64, depth=4),
-    "CLIP tower": lambda: timm.create_model("vit_base_patch16_clip_224", img_size=64, depth=4),
-    "DINOv2": lambda: timm.create_model("vit_small_patch14_dinov2", img_size=56, depth=4),
-    "hybrid (ResNet stem)": lambda: timm.create_model("vit_tiny_r_s16_p8_224", img_size=128),
-    "flexivit": lambda: timm.create_model("flexivit_small", img_size=64, depth=4),
-    "gap, no class token": lambda: timm.create_model("vit_base_patch16_gap_224", img_size=64, depth=4),
-    "avgmax, no class token": lambda: tiny(class_token=False, global_pool="avgmax"),
-    "max, no class token": lambda: tiny(class_token=False, global_pool="max"),
-    "siglip gap": lambda: timm.create_model("vit_base_patch16_siglip_gap_224", img_size=64, depth=4),
-    "siglip map (attention pool)": lambda: timm.create_model("vit_base_patch16_siglip_224", img_size=64, depth=4),
-    "registers, no class token": lambda: timm.create_model("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4),
-    "Eva02 (rope, SwiGLU, avg pool)": lambda: timm.create_model("eva02_tiny_patch14_224", img_size=56, depth=4),
-    "rope ViT (AttentionRope)": lambda: timm.create_model("vit_small_patch16_rope_224", img_size=64, depth=4),
-    "mixed rope (per-head tables)": lambda: timm.create_model("vit_small_patch16_rope_mixed_224", img_size=64, depth=4),
-    "PE core (rope, map pool)": lambda: timm.create_model("vit_pe_core_tiny_patch16_384", img_size=64, depth=4),
-    "DINOv3 (rope, registers)": lambda: timm.create_model("vit_small_patch16_dinov3", img_size=64, depth=4),
-    "BEiT (relative position bias)": lambda: timm.create_model("beit_base_patch16_224", img_size=64, depth=4),
-    "relpos, no class token": lambda: timm.create_model("vit_relpos_small_patch16_224", img_size=64, depth=4),
-    "relpos, class token, token pool": lambda: timm.create_model("vit_relpos_base_patch16_cls_224", img_size=64, depth=4),
-    "relpos, res-post blocks": lambda: timm.create_model("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4),
-    "shared relpos": lambda: timm.create_model("vit_srelpos_small_patch16_224", img_size=64, depth=4),
-}
-
-
-def build(name):
-    torch.manual_seed(0)
-    return FAMILIES[name]().eval()
-
-
-def images(model, batch=3):
-    return torch.randn(batch, 3, *model.patch_embed.img_size, generator=torch.Generator().manual_seed(1))
-
-
-def all_blocks(model):
-    return tuple(range(len(model.blocks)))
-
+from conftest import FAMILIES, PAPER, all_blocks, build, images, paper
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("indicator", ["var", "medad"])

@@ -10,8 +10,7 @@ import vitprune
 from vitprune.budget import fit_overlap, overlap_options
 from vitprune.flops import analytic_flops, count_flops
 from vitprune.overlap import overlapped_grid, resample_grid_embed
-from conftest import image_batch, make_model
-from test_patch_lifecycle import assert_same, snapshot
+from conftest import assert_same, image_batch, make_model, snapshot
 
 
 def tokens_entering_first_block(model, x):

@@ -9,24 +9,7 @@ from torch.testing import assert_close
 
 import vitprune
 from vitprune.blocks import PruneBlock
-from conftest import image_batch, make_model, paper
-
-
-def snapshot(model):
-    """Everything a patch could change: classes, attribute names, tensors."""
-    return {
-        "types": [(name, type(m)) for name, m in model.named_modules()],
-        "attrs": [(name, sorted(vars(m))) for name, m in model.named_modules()],
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
-    }
-
-
-def assert_same(before, after):
-    assert before["types"] == after["types"]
-    assert before["attrs"] == after["attrs"]
-    assert before["state"].keys() == after["state"].keys()
-    for key, value in before["state"].items():
-        assert torch.equal(value, after["state"][key]), key
+from conftest import assert_same, image_batch, make_model, paper, snapshot
 
 
 def test_unpatch_restores_everything(tiny):

@@ -125,6 +125,11 @@ def attend(
     return out, Scored(row, k)
 
 
+def split_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, N, heads * d)`` as ``(B, N, heads, d)``; ``d`` explicit, so an empty batch works."""
+    return y.reshape(*y.shape[:-1], heads, y.shape[-1] // heads)
+
+
 def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, v`` as ``(B, heads, N, d)`` through the module's own projections: a fused
     ``qkv`` (with EVA/BEiT's separate ``q_bias``/``k_bias``/``v_bias`` when present), or
@@ -138,11 +143,12 @@ def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, t
             qkv = attn.qkv(x) + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
         else:
             qkv = F.linear(x, weight=attn.qkv.weight, bias=torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
-        return qkv.reshape(B, N, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        head_dim = qkv.shape[-1] // (3 * attn.num_heads)  # not -1: an empty batch reshapes too
+        return qkv.reshape(B, N, 3, attn.num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     kv_heads = getattr(attn, "num_kv_heads", attn.num_heads)
-    q = attn.q_proj(x).reshape(B, N, attn.num_heads, -1).transpose(1, 2)
-    k = attn.k_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
-    v = attn.v_proj(x).reshape(B, N, kv_heads, -1).transpose(1, 2)
+    q = split_heads(attn.q_proj(x), attn.num_heads).transpose(1, 2)
+    k = split_heads(attn.k_proj(x), kv_heads).transpose(1, 2)
+    v = split_heads(attn.v_proj(x), kv_heads).transpose(1, 2)
     return q, k, v
 
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from .config import INDICATORS, SPREAD, PruneConfig
 from .flops import count_flops, input_size
 from .memory import cpu_peak_bytes, cuda_peak_bytes
-from .patching import patch
+from .patching import check_model, patch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT = "default"  # a setting with vitprune's defaults rather than the paper's method
@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> List[Row]:
     grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides])
 
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
+    check_model(base)  # before anything reads a ViT's attributes: a clear refusal for a ResNet
     size = input_size(base, args.img_size)
     x = torch.randn(args.batch, 3, *size, device=device)
     models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}

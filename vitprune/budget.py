@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from torch import nn
 
 from .config import ALL_BLOCKS, SPREAD, PruneConfig
-from .flops import num_patches, schedule_flops
+from .flops import input_size, num_patches, schedule_flops
+from .overlap import check_overlap
+from .patching import check_model, check_options
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
@@ -18,6 +22,22 @@ def _config(rate: float, stages: Optional[Sequence[int]], fuse: Optional[bool], 
     if stages is not None and stages not in (ALL_BLOCKS, SPREAD):
         stages = tuple(stages)
     return PruneConfig(keep_rate=rate, stages=stages, fuse=fuse, overlap_stride=stride, **options)
+
+
+def _check_target(target_gflops: Any) -> None:
+    if isinstance(target_gflops, bool) or not isinstance(target_gflops, Real):
+        raise TypeError(f"target_gflops must be a number of GFLOPs, got {type(target_gflops).__name__} "
+                        f"{target_gflops!r}")
+    if not 0 < float(target_gflops) < math.inf:
+        raise ValueError(f"target_gflops must be > 0 and finite, got {target_gflops!r}")
+
+
+def _check_fit(model: nn.Module, config: PruneConfig, img_size: Optional[Sequence[int]]) -> None:
+    """What ``patch`` would refuse, refused here too (before any counting)."""
+    check_model(model)
+    input_size(model, img_size)
+    if config.overlap_stride is not None:
+        check_overlap(model, config.overlap_stride, getattr(model.__dict__.get("vitprune_state"), "overlap", None))
 
 
 def fit_keep_rate(
@@ -53,10 +73,15 @@ def fit_keep_rate(
         A keep rate in (0, 1]; ``1.0`` when the unpruned model already fits.
 
     Raises:
-        ValueError: The budget is below what keeping one token per stage costs.
+        TypeError: ``target_gflops`` is not a number, the model is not one ``patch`` accepts,
+            or an option is of the wrong kind (as ``patch`` would say).
+        ValueError: The budget is not a finite positive number, an option is out of range
+            for this model (as ``patch`` would say), or the budget is below what keeping
+            one token per stage costs.
     """
-    if not target_gflops > 0:
-        raise ValueError(f"target_gflops must be > 0, got {target_gflops!r}")
+    _check_target(target_gflops)
+    check_options({**options, "stages": stages, "fuse": fuse, "overlap_stride": overlap_stride})
+    _check_fit(model, _config(1.0, stages, fuse, overlap_stride, options), img_size)
     target = target_gflops * 1e9
 
     def flops(rate: float) -> int:

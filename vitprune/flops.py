@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from numbers import Integral
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,12 +70,27 @@ def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Mod
 
 
 def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """``(H, W)``: ``img_size`` (an int means square), or the model's own input size."""
+    """``(H, W)``: ``img_size`` (an int means square), or the model's own input size.
+
+    Raises:
+        TypeError: ``img_size`` is not an int or a pair of ints.
+        ValueError: A side is smaller than the patch embedding's kernel (no patch fits).
+    """
+    embed = getattr(model, "patch_embed", None)
     if img_size is None:
-        return tuple(int(s) for s in model.patch_embed.img_size)
-    if isinstance(img_size, int):
-        return (img_size, img_size)
-    return tuple(int(s) for s in img_size)
+        if embed is None or getattr(embed, "img_size", None) is None:
+            raise TypeError(f"pass img_size: this {type(model).__name__} does not say its input size")
+        return tuple(int(s) for s in embed.img_size)
+    pair = (img_size, img_size) if isinstance(img_size, Integral) else img_size
+    if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+            or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in pair)):
+        raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
+    pair = tuple(int(s) for s in pair)
+    conv = getattr(embed, "proj", None)
+    kernel = tuple(conv.kernel_size) if isinstance(conv, nn.Conv2d) else (1, 1)
+    if any(s < k for s, k in zip(pair, kernel)):
+        raise ValueError(f"img_size must be at least the patch size {kernel} on each side, got {pair}")
+    return pair
 
 
 def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stride: Optional[int] = None) -> int:
@@ -170,8 +186,16 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> i
         warnings.simplefilter("ignore", FutureWarning)
         from fvcore.nn import FlopCountAnalysis
 
-    param = next(model.parameters())
-    channels = next(m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d))  # the stem's input
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    param = next(model.parameters(), None)
+    stem = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)  # the stem's input
+    if param is None or stem is None:
+        raise TypeError(
+            f"count_flops traces a model that takes (1, C, H, W) images through a convolutional stem; "
+            f"this {type(model).__name__} has {'no parameters' if param is None else 'no Conv2d'}"
+        )
+    channels = stem.in_channels
     x = torch.zeros(1, channels, *input_size(model, img_size),
                     dtype=param.dtype, device=param.device)
     was_training = model.training

@@ -8,7 +8,11 @@ They change two methods, and only while a forward pruned something:
   stays a mean over patches. Attention pooling (``global_pool="map"``) gets the same
   weighting as an additive ``log(size)`` on its attention logits, which equals attending
   to that token repeated ``size`` times. Token, max and no pooling are unchanged.
-- ``forward_intermediates``: refuses ``output_fmt="NCHW"`` for blocks at or after the
+- ``forward_features`` (and ``forward_intermediates``'s final features) records on the
+  returned tensor the token sizes that produced it, so ``forward_head`` pools any
+  features with their own sizes, whatever ran in between or on other threads.
+- ``forward_intermediates``: returns NCHW maps of the overlapped grid with
+  ``overlap_stride``, and refuses ``output_fmt="NCHW"`` for blocks at or after the
   first pruning stage (those outputs are no longer a full grid); ``"NLC"`` works.
 """
 
@@ -27,6 +31,11 @@ from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
 from .config import keep_count
 
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # torch < 2.3 has none
+
+#: The attribute ``forward_features`` sets on the features it returns: their token sizes.
+SIZES_ATTR = "_vitprune_sizes"
+
 
 def size_weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Mean over the token axis of ``(B, n, C)`` tokens, each counted ``sizes`` ``(B, n)`` times."""
@@ -34,13 +43,48 @@ def size_weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tenso
     return (tokens * weights).sum(dim=1) / weights.sum(dim=1)
 
 
+def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
+    """Record ``sizes`` on ``features`` (eager only: traced graphs pool in-graph)."""
+    if not _is_compiling() and isinstance(features, torch.Tensor):
+        setattr(features, SIZES_ATTR, sizes)
+    return features
+
+
 class _PrunedModel:
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
+        """The token sizes of features ``x``: those recorded on it by ``forward_features``;
+        while tracing, those of the forward being traced; ``None`` when every token is one patch.
+
+        Raises:
+            ValueError: ``x`` does not come from ``forward_features`` (a copy, say) and this
+                thread's last forward left tokens of this count with unequal sizes, so
+                ``x``'s sizes cannot be known.
+        """
         state = self.__dict__.get("vitprune_state")
+        if not _is_compiling() and hasattr(x, SIZES_ATTR):
+            return getattr(x, SIZES_ATTR)
         sizes = None if state is None else state.sizes
         if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix_tokens):
             return None
+        if not _is_compiling() and bool((sizes != 1).any()):
+            raise ValueError(
+                "vitprune: these features did not come from this model's forward_features (or "
+                "forward_intermediates), so the number of patches each token stands for is unknown "
+                "and size-weighted pooling would guess; pass forward_features' output itself to "
+                "forward_head, or call the model on the images"
+            )
         return sizes
+
+    def __prepare_scriptable__(self):  # torch.jit.script calls this first
+        raise TypeError(
+            "vitprune: a patched model cannot be compiled by torch.jit.script (its forward keeps "
+            "Python state per call); use torch.compile, torch.export or torch.onnx.export, or "
+            "vitprune.unpatch the model first"
+        )
+
+    def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        features = super().forward_features(*args, **kwargs)
+        return _mark(features, self.vitprune_state.sizes)
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
@@ -76,7 +120,12 @@ class _PrunedModel:
                     "tokens are no longer a full grid and cannot be returned as NCHW; pass "
                     f"output_fmt='NLC', take only blocks before {first}, or unpatch the model"
                 )
-        return super().forward_intermediates(*args, **kwargs)
+        out = super().forward_intermediates(*args, **kwargs)
+        if isinstance(out, tuple):
+            _mark(out[0], self.vitprune_state.sizes)
+        elif isinstance(out, dict) and "image_features" in out:
+            _mark(out["image_features"], self.vitprune_state.sizes)
+        return out
 
     def _vitprune_first_pruning_block(self, images: torch.Tensor) -> "int | None":
         """The first block that drops tokens for images of this size, or ``None``."""

@@ -4,7 +4,9 @@ The patch-embedding convolution keeps its weights and kernel (the patch size) an
 takes stride ``s``, so the grid grows to ``floor((L - p) / s) + 1`` per side. The
 absolute position embeddings are resampled to the new grid by bicubic interpolation
 (prefix-token entries unchanged). Everything changed is recorded so it can be put back
-exactly.
+exactly. While overlapped, the embedding's class is :class:`OverlapPatchEmbed`, whose
+``dynamic_feat_size`` knows the stride (``forward_intermediates``' NCHW maps and dynamic
+image sizes use it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ def resample_grid_embed(pos_embed: torch.Tensor, num_prefix: int, old_grid: Tupl
     return torch.cat([prefix, grid], dim=1)
 
 
+class OverlapPatchEmbed(PatchEmbed):
+    """timm ``PatchEmbed`` while its stride is smaller than its kernel: the grid of an image
+    size follows the stride (``PatchEmbed`` assumes stride == patch size)."""
+
+    def dynamic_feat_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        if self.dynamic_img_pad:  # padded up to whole patches, as PatchEmbed.forward pads
+            img_size = tuple(-(-size // p) * p for size, p in zip(img_size, self.patch_size))
+        return overlapped_grid(img_size, self.patch_size, self.proj.stride[0])
+
+
 @dataclass
 class OverlapRecord:
     """What :func:`apply_overlap` changed, to put back exactly."""
@@ -57,7 +69,7 @@ def check_overlap(model: nn.Module, stride: int, current: "OverlapRecord | None"
     ``current``: the record of an overlap the model has now, which patching again undoes first.
     """
     embed = getattr(model, "patch_embed", None)
-    if not isinstance(embed, PatchEmbed) or not isinstance(getattr(embed, "proj", None), nn.Conv2d):
+    if type(embed) not in (PatchEmbed, OverlapPatchEmbed) or not isinstance(getattr(embed, "proj", None), nn.Conv2d):
         raise TypeError(
             f"overlap_stride needs timm's PatchEmbed with a Conv2d projection; this model has "
             f"{type(embed).__name__} (hybrid CNN stems cannot overlap)"
@@ -95,6 +107,7 @@ def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
     if pos_embed is not None:
         pos_embed.data = resample_grid_embed(pos_embed.data, _grid_prefix(model), embed.grid_size, new_grid)
     embed.proj.stride = (stride, stride)
+    embed.__class__ = OverlapPatchEmbed
     embed.grid_size = new_grid
     embed.num_patches = new_grid[0] * new_grid[1]
     return record
@@ -102,10 +115,14 @@ def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
 
 @torch.no_grad()
 def remove_overlap(model: nn.Module, record: OverlapRecord) -> None:
-    """Undo :func:`apply_overlap` exactly, from its record."""
+    """Undo :func:`apply_overlap` exactly, from its record. The position embedding gets its
+    original values in the dtype and on the device it has now (the model may have been
+    moved or cast since)."""
     embed = model.patch_embed
+    embed.__class__ = PatchEmbed
     embed.proj.stride = record.stride
     embed.grid_size = record.grid_size
     embed.num_patches = record.num_patches
     if record.pos_embed is not None:
-        model.pos_embed.data = record.pos_embed
+        current = model.pos_embed.data
+        model.pos_embed.data = record.pos_embed.to(device=current.device, dtype=current.dtype)

@@ -10,7 +10,7 @@ from torch import nn
 from timm.layers import AttentionPoolLatent
 from timm.models.beit import Beit
 from timm.models.eva import Eva
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, VisionTransformer
 from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
 from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION, attention_modules
@@ -55,7 +55,7 @@ def _supported_names() -> str:
     return ", ".join(f"timm {cls.__name__}" for cls in SUPPORTED_MODELS)
 
 
-def _check_model(model: nn.Module) -> None:
+def check_model(model: nn.Module) -> None:
     """Raise ``TypeError`` unless ``model`` is a ViT this version can prune."""
     kind = _ORIGINAL_MODELS.get(type(model), type(model))
     if kind not in SUPPORTED_MODELS:
@@ -136,6 +136,33 @@ def _check_blocks(model: nn.Module, plan: "dict[int, tuple[Optional[int], Option
                 )
 
 
+#: Indicators that measure disagreement between heads: one head gives every patch score 0.
+HEAD_SPREAD_INDICATORS = ("var", "medad", "lowvar")
+
+
+def scored_heads(block: nn.Module) -> int:
+    """How many attention heads a pruning block's scored row has (parallel attentions joined)."""
+    if isinstance(block, ParallelScalingBlock):
+        return block.num_heads
+    if isinstance(block, ParallelThingsBlock):
+        return sum(branch.attn.num_heads for branch in block.attns)
+    return block.attn.num_heads
+
+
+def _check_heads(model: nn.Module, config: PruneConfig) -> None:
+    """Raise ``ValueError`` when the indicator compares heads and a stage block has one."""
+    if config.indicator not in HEAD_SPREAD_INDICATORS:
+        return
+    for index in config.stages:
+        heads = scored_heads(model.blocks[index])
+        if heads < 2:
+            raise ValueError(
+                f"indicator={config.indicator!r} measures how attention heads disagree, but block {index} "
+                f"has {heads} head, so every patch would score 0; use indicator='cls' or the default "
+                "(indicator=None: bipartite merging)"
+            )
+
+
 def _patch_count(model: nn.Module, config: PruneConfig) -> Optional[int]:
     """Patch tokens at the model's own input size (after ``overlap_stride``), for the
     ``"spread"`` schedule; ``None`` when the embedding does not say."""
@@ -149,10 +176,15 @@ def _patch_count(model: nn.Module, config: PruneConfig) -> Optional[int]:
         return int(model.patch_embed.num_patches)
 
 
-def _make_config(config: Optional[PruneConfig], options: "dict[str, Any]") -> PruneConfig:
+def check_options(options: "dict[str, Any]") -> None:
+    """Raise ``TypeError`` naming any key of ``options`` that is not a :class:`PruneConfig` field."""
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; accepted: {', '.join(_OPTIONS)}")
+
+
+def _make_config(config: Optional[PruneConfig], options: "dict[str, Any]") -> PruneConfig:
+    check_options(options)
     if config is None:
         return PruneConfig(**options)
     if not isinstance(config, PruneConfig):
@@ -217,10 +249,11 @@ def patch(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     cfg = _make_config(config, options)
-    _check_model(model)
+    check_model(model)
     cfg = cfg.resolve(len(model.blocks), _patch_count(model, cfg))
     plan = _swap_plan(model, cfg.stages, cfg.size_aware)
     _check_blocks(model, plan)
+    _check_heads(model, cfg)
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None and not isinstance(model, VisionTransformer):
         raise TypeError(f"overlap_stride is supported for VisionTransformer models only, not {_family(model).__name__}")
@@ -248,28 +281,37 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Undo :func:`patch` in place and return the model; a no-op on an unpatched model.
 
     Restores every block's original class, the patch embedding and position embedding
-    (with ``overlap_stride``), and deletes every attribute the patch added.
+    (with ``overlap_stride``, in the dtype and on the device the model has now), and
+    deletes every attribute the patch added. ``model`` may also hold patched models (an
+    ``nn.Sequential`` around one, say): each of them is unpatched.
     """
-    state = model.__dict__.get(MODEL_ATTR)
-    if state is not None and state.overlap is not None:
-        remove_overlap(model, state.overlap)
-    for block in model.modules():
-        original = _ORIGINAL_BLOCKS.get(type(block))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for module in list(model.modules()):
+        original = _ORIGINAL_BLOCKS.get(type(module))
         if original is not None:
-            block.__class__ = original
+            module.__class__ = original
             for name in BLOCK_ATTRS:
-                block.__dict__.pop(name, None)
-    model.__dict__.pop(MODEL_ATTR, None)
-    model.__class__ = _ORIGINAL_MODELS.get(type(model), type(model))
+                module.__dict__.pop(name, None)
+        elif MODEL_ATTR in module.__dict__:  # a patched model
+            state = module.__dict__.pop(MODEL_ATTR)
+            if state.overlap is not None:
+                remove_overlap(module, state.overlap)
+            module.__class__ = _ORIGINAL_MODELS.get(type(module), type(module))
     return model
 
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` is currently patched by vitprune."""
-    return MODEL_ATTR in model.__dict__
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return MODEL_ATTR in model.__dict__ and type(model) in _ORIGINAL_MODELS
 
 
-def _state(model: nn.Module) -> PruneState:
+def state_of(model: nn.Module) -> PruneState:
+    """The :class:`PruneState` of a patched model; ``ValueError`` for an unpatched one."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     state = model.__dict__.get(MODEL_ATTR)
     if state is None:
         raise ValueError("this model is not patched by vitprune; call vitprune.patch(model, ...) first")
@@ -278,7 +320,7 @@ def _state(model: nn.Module) -> PruneState:
 
 def get_config(model: nn.Module) -> PruneConfig:
     """The active config of a patched model, with explicit stages and per-stage keep rates."""
-    return _state(model).config
+    return state_of(model).config
 
 
 def kept_positions(model: nn.Module) -> List[torch.Tensor]:
@@ -290,4 +332,4 @@ def kept_positions(model: nn.Module) -> List[torch.Tensor]:
         was when it entered the first block, or ``-1`` for the fusion token. Empty before
         the first forward.
     """
-    return _state(model).kept_positions()
+    return state_of(model).kept_positions()

@@ -72,7 +72,7 @@ def rope_attention_with_row(
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
                       num_prefix=num_prefix, source=source, bias=bias)
-    out = attn.norm(out.transpose(1, 2).reshape(B, N, -1))
+    out = attn.norm(out.transpose(1, 2).flatten(2))
     if gate is not None:
         out = out * gate
     return attn.proj_drop(attn.proj(out)), row

@@ -1,8 +1,10 @@
-"""The state a patched model carries: its config, and what the last forward kept."""
+"""The state a patched model carries: its config, and what the calling thread's last
+forward kept."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+import threading
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -14,8 +16,22 @@ from .merging import key_metric, match_bipartite, match_redundant, match_top, me
 from .tokens import keep_or_fuse, prune_tokens
 
 
+class ForwardRecords:
+    """What one forward kept (see :class:`PruneState`); one per thread, replaced at stage 0."""
+
+    def __init__(self) -> None:
+        self.positions: Dict[int, torch.Tensor] = {}
+        self.stage_sizes: Dict[int, torch.Tensor] = {}
+        self.sizes: Optional[torch.Tensor] = None
+        self.patches: Optional[int] = None  # patch tokens entering the first stage
+
+
 class PruneState:
     """Shared by a patched model and its pruning blocks; one per patched model.
+
+    The per-forward attributes (``positions``, ``sizes``, ``stage_sizes``) are per thread:
+    several threads may run the same patched model at once, and each reads what its own
+    last forward kept.
 
     Attributes:
         config: The resolved config (explicit stages, one keep rate per stage).
@@ -44,9 +60,36 @@ class PruneState:
         self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
         self.row_source = row_source if self.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
-        self.positions: Dict[int, torch.Tensor] = {}
-        self.stage_sizes: Dict[int, torch.Tensor] = {}
-        self.sizes: Optional[torch.Tensor] = None
+        self._local = threading.local()
+
+    def __getstate__(self) -> Dict[str, Any]:  # pickle, deepcopy: thread records stay behind
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    @property
+    def records(self) -> ForwardRecords:
+        """The calling thread's records of its last forward (empty before its first)."""
+        records = getattr(self._local, "records", None)
+        if records is None:
+            records = self._local.records = ForwardRecords()
+        return records
+
+    @property
+    def positions(self) -> Dict[int, torch.Tensor]:
+        return self.records.positions
+
+    @property
+    def stage_sizes(self) -> Dict[int, torch.Tensor]:
+        return self.records.stage_sizes
+
+    @property
+    def sizes(self) -> Optional[torch.Tensor]:
+        return self.records.sizes
 
     def scores(self, row: torch.Tensor) -> torch.Tensor:
         """``(B, N)`` float32 scores from the class attention row ``(B, H, N)`` (``"var"``
@@ -70,10 +113,8 @@ class PruneState:
             With ``size_aware``, once a stage has reduced: ``log(size)`` per token
             (:func:`~vitprune.merging.size_bias`); else ``None``.
         """
-        if stage == 0:  # fresh objects, not reads of the last forward's: no torch.compile guards on them
-            self.positions = {}
-            self.stage_sizes = {}
-            self.sizes = None
+        if stage == 0:  # a fresh object, not reads of the last forward's: no torch.compile guards on them
+            self._local.records = ForwardRecords()
         sizes = self._sizes_after(follow, x)
         if not self.config.size_aware or sizes is None:
             return None
@@ -90,6 +131,8 @@ class PruneState:
         """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`."""
         P = self.num_prefix
         B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
+        if stage == 0:
+            self.records.patches = n
         previous = self.positions.get(stage - 1)
         if previous is None or previous.shape != (B, n):
             previous = torch.arange(n, device=x.device).expand(B, n)
@@ -111,8 +154,9 @@ class PruneState:
         if x.shape[1] - P > k:  # the fusion token
             kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
-        self.positions[stage] = kept
-        self.stage_sizes[stage] = self.sizes = sizes_kept
+        records = self.records
+        records.positions[stage] = kept
+        records.stage_sizes[stage] = records.sizes = sizes_kept
         return x
 
     def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,

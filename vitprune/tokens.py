@@ -55,11 +55,17 @@ def fusion_weights(scores: torch.Tensor, T: float) -> torch.Tensor:
 
     ``scale`` is the mean absolute score of each image over the ``scores`` given
     (floored at the smallest normal float), which makes ``T`` unit-free: raw variances
-    are ~1e-6, so a raw ``T = 1`` would always mean plain mean pooling.
+    are ~1e-6, so a raw ``T = 1`` would always mean plain mean pooling. The logits are
+    shifted so that the largest is exactly 0 before dividing by ``T``, so any ``T > 0``
+    is finite: a tiny ``T`` approaches all weight on the top score (ties share it),
+    ``T = inf`` gives the mean.
     """
     s = scores.float()
     scale = s.abs().mean(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.softmax(s / (scale * T), dim=-1)
+    shifted = s / scale
+    shifted = shifted - shifted.amax(dim=-1, keepdim=True)  # <= 0, and exactly 0 at the top
+    logits = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / T)  # 0 / tiny T is 0, not NaN
+    return torch.softmax(logits, dim=-1)
 
 
 def fuse_tokens(tokens: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

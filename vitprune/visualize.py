@@ -7,7 +7,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .patching import get_config, kept_positions
+from .patching import get_config, kept_positions, state_of
+
+
+def _check_stages(model: nn.Module) -> None:
+    if not get_config(model).stages:
+        raise ValueError("this patch has no pruning stages (stages=()), so nothing is pruned and there is "
+                         "nothing to draw; patch with stages, e.g. vitprune.patch(model, keep_rate=0.7)")
 
 
 def patch_footprints(model: nn.Module, img_size: Tuple[int, int]) -> torch.Tensor:
@@ -37,11 +43,18 @@ def kept_masks(model: nn.Module, img_size: Tuple[int, int],
         img_size: ``(H, W)`` of those inputs.
         positions: :func:`vitprune.kept_positions` output; read from the model when ``None``.
     """
-    positions = kept_positions(model) if positions is None else list(positions)
+    _check_stages(model)
+    recorded = None
+    if positions is None:
+        positions, recorded = kept_positions(model), state_of(model).records.patches
+    positions = list(positions)
     if not positions:
-        raise ValueError("no pruning has been recorded: run a forward pass of the patched model first")
+        raise ValueError("no pruning has been recorded on this thread: run a forward pass of the patched model first")
     footprints = patch_footprints(model, img_size).float()  # (N, H, W)
     n = footprints.shape[0]
+    if recorded is not None and recorded != n:
+        raise ValueError(f"the last forward had {recorded} patches, but a {tuple(img_size)} input has {n}: "
+                         "pass the img_size of the images that forward ran on")
     stages = []
     for stage in positions:
         stage = stage.detach().cpu()
@@ -78,6 +91,18 @@ def to_display(images: torch.Tensor) -> torch.Tensor:
     return (images - low.view(-1, 1, 1, 1)) / scale.view(-1, 1, 1, 1)
 
 
+def _as_batch(images: torch.Tensor, name: str) -> torch.Tensor:
+    """``(B, C, H, W)`` from ``(C, H, W)`` or ``(B, C, H, W)`` with ``B >= 1``; else ``ValueError``."""
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(images).__name__}")
+    if images.dim() not in (3, 4):
+        raise ValueError(f"{name} must be (C, H, W) or (B, C, H, W), got shape {tuple(images.shape)}")
+    images = images.unsqueeze(0) if images.dim() == 3 else images
+    if images.shape[0] == 0:
+        raise ValueError(f"{name} holds no image (a batch of 0): there is nothing to draw")
+    return images
+
+
 def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Tensor] = None, *,
               titles: Optional[List[str]] = None, dim: float = 0.25, panel_inches: float = 2.2):
     """Run ``images`` through a patched model and draw what each stage keeps.
@@ -98,9 +123,14 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
     import matplotlib.pyplot as plt  # the caller's backend: no switching under a notebook
 
     config = get_config(model)
-    if images.dim() == 3:
-        images = images.unsqueeze(0)
-    display = to_display(images) if display is None else (display.unsqueeze(0) if display.dim() == 3 else display)
+    _check_stages(model)
+    images = _as_batch(images, "images")
+    display = to_display(images) if display is None else _as_batch(display, "display")
+    if display.shape[0] != images.shape[0] or display.shape[-2:] != images.shape[-2:]:
+        raise ValueError(f"display must match images in batch and size: {tuple(display.shape)} "
+                         f"vs {tuple(images.shape)}")
+    if titles is not None and len(titles) != images.shape[0]:
+        raise ValueError(f"titles needs one label per image: {images.shape[0]} images, {len(titles)} titles")
     was_training = model.training
     model.eval()
     with torch.no_grad():

@@ -1,0 +1,197 @@
+"""Edge cases a hostile user found (issue 13): each works like the unpatched model, or is
+refused with an error that names the problem, before the model changes."""
+
+import math
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import vitprune
+from conftest import FAMILIES, assert_same, build, images, paper, snapshot
+from vitprune.cli import main
+from vitprune.tokens import fusion_weights
+
+
+def tiny(**kwargs):
+    torch.manual_seed(0)
+    return timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, **kwargs).eval()
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_batch_of_zero_images_behaves_as_in_the_unpatched_model(name):
+    """An empty output where timm gives one; where timm's own attention cannot reshape an
+    empty batch (Eva, BEiT on timm 1.0.x) the same error, or an empty output when only
+    vitprune's attention ran."""
+    model = build(name)
+    empty = images(model, batch=0)
+    with torch.no_grad():
+        try:
+            expected = model(empty)
+        except RuntimeError:
+            expected = None
+        for options in ({}, paper(indicator="var", stages=(1,))):
+            vitprune.patch(model, keep_rate=0.5, **options)
+            if expected is None:
+                try:
+                    assert model(empty).shape[0] == 0
+                except RuntimeError as error:
+                    assert "cannot reshape tensor of 0 elements" in str(error)
+            else:
+                assert model(empty).shape == expected.shape and expected.shape[0] == 0
+
+
+def test_visualize_refuses_a_batch_of_zero_images():
+    model = vitprune.patch(tiny(), keep_rate=0.5)
+    with pytest.raises(ValueError, match="a batch of 0"):
+        vitprune.visualize(model, torch.zeros(0, 3, 64, 64))
+
+
+@pytest.mark.parametrize("cast", ["half", "double"])
+def test_unpatch_after_a_cast_restores_the_position_embedding_in_the_current_dtype(cast):
+    model = tiny()
+    original = model.pos_embed.detach().clone()
+    vitprune.patch(model, keep_rate=0.7, overlap_stride=8)
+    getattr(model, cast)()
+    vitprune.unpatch(model)
+    dtype = model.patch_embed.proj.weight.dtype
+    assert model.pos_embed.dtype == dtype
+    assert torch.equal(model.pos_embed.detach(), original.to(dtype))
+    with torch.no_grad():
+        model(torch.randn(1, 3, 64, 64, dtype=dtype))  # no mixed-dtype error
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_forward_intermediates_with_overlap_returns_maps_of_the_overlapped_grid(dynamic):
+    model = tiny(dynamic_img_size=dynamic)
+    vitprune.patch(model, keep_rate=0.7, overlap_stride=8, **paper(indicator="var", stages=(2,)))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        _, maps = model.forward_intermediates(x, indices=[0, 1], output_fmt="NCHW")
+        _, tokens = model.forward_intermediates(x, indices=[0, 1], output_fmt="NLC")
+    side = (64 - 16) // 8 + 1
+    for grid, flat in zip(maps, tokens):
+        assert grid.shape == (2, 192, side, side)
+        assert torch.equal(grid, flat.reshape(2, side, side, 192).permute(0, 3, 1, 2))
+
+
+POOLED = ["gap, no class token", "Eva02 (rope, SwiGLU, avg pool)", "BEiT (relative position bias)",
+          "siglip map (attention pool)", "relpos, no class token"]
+
+
+@pytest.mark.parametrize("name", POOLED)
+def test_forward_head_pools_with_the_sizes_of_the_features_it_is_given(name):
+    model = vitprune.patch(build(name), keep_rate=0.5)
+    a, b = images(model, seed=1), images(model, seed=2)
+    with torch.no_grad():
+        expected = model(a)
+        features_a = model.forward_features(a)
+        model.forward_features(b)  # another forward in between
+        got = model.forward_head(features_a)
+        final, _ = model.forward_intermediates(a, indices=1, output_fmt="NLC")
+        model.forward_features(b)
+        from_intermediates = model.forward_head(final)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(from_intermediates, expected)
+
+
+def test_forward_head_refuses_features_whose_sizes_it_cannot_know():
+    model = vitprune.patch(build("gap, no class token"), keep_rate=0.5)
+    with torch.no_grad():
+        features = model.forward_features(images(model))
+        with pytest.raises(ValueError, match="did not come from this model's forward_features"):
+            model.forward_head(features.clone())
+
+
+def test_a_tiny_temperature_gives_finite_outputs_and_the_limit_weights():
+    weights = fusion_weights(torch.tensor([[1.0, 3.0, 2.0, 3.0]]), T=1e-40)
+    assert torch.equal(weights, torch.tensor([[0.0, 0.5, 0.0, 0.5]]))  # ties share the top
+    for T in (1e-40, 1e-300, 5e-324):
+        model = vitprune.patch(tiny(), keep_rate=0.5, **paper(indicator="var", stages=(1,), T=T))
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.randn(2, 3, 64, 64))).all()
+
+
+@pytest.mark.parametrize("target, options, error, match", [
+    ("3", {}, TypeError, "target_gflops must be a number"),
+    (math.nan, {}, ValueError, "target_gflops must be > 0"),
+    (0.1, {"overlap_stride": 99}, ValueError, r"overlap_stride must be in \[1, 16\]"),
+    (0.1, {"img_size": 0}, ValueError, "img_size must be at least the patch size"),
+    (0.1, {"img_size": (7, 7)}, ValueError, "img_size must be at least the patch size"),
+    (0.1, {"img_size": "64"}, TypeError, "img_size must be an int or a pair"),
+    (0.1, {"colour": "red"}, TypeError, r"unknown option\(s\) \['colour'\]"),
+])
+def test_fit_keep_rate_refuses_what_patch_refuses(target, options, error, match):
+    with pytest.raises(error, match=match):
+        vitprune.fit_keep_rate(tiny(), target, **options)
+
+
+def test_fit_keep_rate_refuses_a_model_patch_cannot_take():
+    with pytest.raises(TypeError, match="cannot patch a timm.models.resnet.ResNet"):
+        vitprune.fit_keep_rate(timm.create_model("resnet18"), 1.0)
+
+
+def test_bench_on_a_cnn_exits_2_with_a_message(capsys):
+    code = main(["bench", "--model", "resnet18", "--batch", "1", "--rounds", "1",
+                 "--warmup", "0", "--no-progress", "--no-memory"])
+    assert code == 2
+    assert "cannot patch a timm.models.resnet.ResNet" in capsys.readouterr().err
+
+
+def test_unpatch_reaches_patched_models_inside_a_container():
+    model = tiny()
+    before = snapshot(model)
+    wrapper = nn.Sequential(vitprune.patch(model, keep_rate=0.5, overlap_stride=8))
+    assert vitprune.unpatch(wrapper) is wrapper
+    assert not vitprune.is_patched(model) and type(model) is timm.models.vision_transformer.VisionTransformer
+    assert_same(before, snapshot(model))
+
+
+def test_kept_masks_refuses_a_size_other_than_the_last_forwards():
+    model = vitprune.patch(tiny(dynamic_img_size=True), keep_rate=0.5)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+    assert vitprune.kept_masks(model, (32, 32)).shape[-2:] == (32, 32)
+    with pytest.raises(ValueError, match="the last forward had 4 patches, but a \\(64, 64\\) input has 16"):
+        vitprune.kept_masks(model, (64, 64))
+
+
+def test_count_flops_names_what_it_needs():
+    with pytest.raises(TypeError, match="convolutional stem.*this Linear has no Conv2d"):
+        vitprune.count_flops(nn.Linear(2, 2))
+
+
+def test_scripting_a_patched_model_says_it_is_not_supported():
+    model = vitprune.patch(tiny(), keep_rate=0.5)
+    with pytest.raises(TypeError, match="cannot be compiled by torch.jit.script.*torch.compile"):
+        torch.jit.script(model)
+
+
+def test_visualize_errors_name_the_problem():
+    model = vitprune.patch(tiny(), keep_rate=0.5)
+    with pytest.raises(ValueError, match="must be \\(C, H, W\\) or \\(B, C, H, W\\), got shape \\(64, 64\\)"):
+        vitprune.visualize(model, torch.randn(64, 64))
+    with pytest.raises(ValueError, match="one label per image: 2 images, 1 titles"):
+        vitprune.visualize(model, torch.randn(2, 3, 64, 64), titles=["one"])
+    vitprune.patch(model, keep_rate=0.5, stages=())
+    with pytest.raises(ValueError, match="no pruning stages"):
+        vitprune.visualize(model, torch.randn(1, 3, 64, 64))
+
+
+@pytest.mark.parametrize("call", [vitprune.unpatch, vitprune.is_patched, vitprune.get_config,
+                                  vitprune.kept_positions])
+def test_functions_taking_a_model_refuse_none(call):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got NoneType"):
+        call(None)
+
+
+@pytest.mark.parametrize("indicator", ["var", "medad", "lowvar"])
+def test_a_one_head_model_refuses_head_disagreement_indicators(indicator):
+    model = tiny(num_heads=1)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=f"indicator='{indicator}' measures how attention heads disagree.*1 head"):
+        vitprune.patch(model, indicator=indicator, keep_rate=0.5)
+    assert_same(before, snapshot(model))
+    vitprune.patch(model, indicator="cls", keep_rate=0.5)  # one head is fine for the class-attention mean
+    vitprune.patch(model, keep_rate=0.5)  # and for the defaults

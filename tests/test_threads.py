@@ -1,0 +1,62 @@
+"""Several threads running one patched model at once (an inference server sharing a model
+across workers): every output, and every thread's ``kept_positions``, equal what the same
+forward gives alone."""
+
+import threading
+
+import pytest
+import torch
+
+import vitprune
+from conftest import FAMILIES, build, images, paper
+
+THREADS, FORWARDS = 4, 3
+
+
+def run_together(model, inputs):
+    """Each thread runs its inputs in turn, all threads starting at once; returns per thread
+    a list of (output, kept positions) in input order."""
+    start = threading.Barrier(len(inputs))
+    results = [None] * len(inputs)
+    errors = []
+
+    def work(index):
+        try:
+            start.wait()
+            mine = []
+            for x in inputs[index]:
+                with torch.no_grad():
+                    out = model(x)
+                mine.append((out, vitprune.kept_positions(model)))
+            results[index] = mine
+        except Exception as error:  # re-raised below, in the test's thread
+            errors.append(error)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("options", [dict(keep_rate=0.5), paper(indicator="var", keep_rate=0.5, stages=(1, 2))],
+                         ids=["defaults", "paper"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_threads_sharing_a_patched_model_get_their_own_results(name, options):
+    model = vitprune.patch(build(name), **options)
+    inputs = [[images(model, batch=2, seed=10 * t + f) for f in range(FORWARDS)] for t in range(THREADS)]
+    expected = []
+    for batch in inputs:
+        mine = []
+        for x in batch:
+            with torch.no_grad():
+                mine.append((model(x), vitprune.kept_positions(model)))
+        expected.append(mine)
+    got = run_together(model, inputs)
+    for thread_expected, thread_got in zip(expected, got):
+        for (out, kept), (out_t, kept_t) in zip(thread_expected, thread_got):
+            torch.testing.assert_close(out_t, out, rtol=1e-5, atol=1e-6)
+            assert len(kept_t) == len(kept) and all(torch.equal(a, b) for a, b in zip(kept_t, kept))
