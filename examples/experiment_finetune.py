@@ -23,10 +23,11 @@ from tqdm.auto import tqdm
 
 import vitprune
 from train_small_vit import train  # examples/ is on sys.path when this script runs
-from vitprune import datasets
-from vitprune.evaluation import accuracy, experiment_inputs, merge_results, save_results
-from vitprune.flops import analytic_flops
-from vitprune.report import markdown_table, percent, summarise
+from vitprune.data import datasets
+from vitprune.data.accuracy import accuracy
+from experiments_common import experiment_inputs, merge_results, save_results
+from vitprune.measure.flops import analytic_flops
+from reporting import markdown_table, percent, summarise
 
 INDICATORS = ("var", "medad", "cls", "random", "lowvar")
 KEEP_RATES = (0.7, 0.5)

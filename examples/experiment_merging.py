@@ -36,12 +36,12 @@ import torch
 from tqdm.auto import tqdm
 
 import vitprune
-from vitprune.baseline import fit_merging
-from vitprune.datasets import load
-from vitprune.demo_models import load_checkpoint
-from vitprune.evaluation import accuracy
-from vitprune.flops import schedule_flops
-from vitprune.report import markdown_table, percent, summarise
+from vitprune.measure.baseline import fit_merging
+from vitprune.data.datasets import load
+from vitprune.data.shipped import load_checkpoint
+from vitprune.data.accuracy import accuracy
+from vitprune.measure.flops import schedule_flops
+from reporting import markdown_table, percent, summarise
 
 BASELINE = "token merging (baseline)"
 DEFAULT = "vitprune defaults (bipartite, merge, spread, size-aware)"  # docs/method.md §9

@@ -18,9 +18,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import vitprune
-from vitprune.evaluation import accuracy, experiment_inputs, save_results
-from vitprune.flops import analytic_flops
-from vitprune.report import markdown_table, percent, summarise
+from vitprune.data.accuracy import accuracy
+from experiments_common import experiment_inputs, save_results
+from vitprune.measure.flops import analytic_flops
+from reporting import markdown_table, percent, summarise
 
 INDICATORS = ("var", "medad", "cls", "random", "lowvar")
 NO_FUSION = ("var", "medad", "cls")

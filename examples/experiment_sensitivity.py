@@ -19,9 +19,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import vitprune
-from vitprune.evaluation import accuracy, experiment_inputs, save_results
-from vitprune.flops import analytic_flops
-from vitprune.report import markdown_table, percent, summarise
+from vitprune.data.accuracy import accuracy
+from experiments_common import experiment_inputs, save_results
+from vitprune.measure.flops import analytic_flops
+from reporting import markdown_table, percent, summarise
 
 TEMPERATURES = (0.1, 0.3, 1.0, 3.0, 10.0, math.inf)
 PLACEMENTS = ((1, 3, 4), (0, 2, 4), (2, 3, 5), (1,), (3,))

@@ -18,7 +18,8 @@ import timm
 import torch
 
 import vitprune
-from vitprune import datasets, demo_models
+from vitprune.data import datasets
+from vitprune.data import shipped as demo_models
 
 
 def agreement(reference, got) -> float:

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 import vitprune
-from vitprune.flops import analytic_flops
-from vitprune.show import prepare_timm
+from vitprune.measure.flops import analytic_flops
+from vitprune.data.pictures import prepare_timm
 
 
 def load_input(model: torch.nn.Module, image: str | None, batch: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ import argparse
 
 import torch
 
-from vitprune import datasets, demo_models
+from vitprune.data import datasets
+from vitprune.data import shipped as demo_models
 
 SUBSET = 2000
 

@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 import vitprune
-from vitprune import datasets
-from vitprune.demo_models import load_shipped, load_test_subset
-from vitprune.show import prepare_timm
+from vitprune.data import datasets
+from vitprune.data.shipped import load_shipped, load_test_subset
+from vitprune.data.pictures import prepare_timm
 
 OUT = Path("docs/images")
 

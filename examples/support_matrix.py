@@ -22,9 +22,10 @@ import torch
 from tqdm.auto import tqdm
 
 import vitprune
-from vitprune.bench import make_step, time_interleaved
-from vitprune.flops import count_flops, input_size
-from vitprune.report import markdown_table
+from vitprune.commands.bench import make_step, time_interleaved
+from vitprune.core.grid import input_size
+from vitprune.measure.flops import count_flops
+from reporting import markdown_table
 
 #: (family, example model, extra create_model arguments)
 FAMILIES: List[Tuple[str, str, Dict]] = [

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from vitprune import datasets, demo_models
-from vitprune.evaluation import accuracy as evaluate
+from vitprune.data import datasets
+from vitprune.data import shipped as demo_models
+from vitprune.data.accuracy import accuracy as evaluate
 
 
 def augment(images: torch.Tensor, generator: torch.Generator, shift: int) -> torch.Tensor:

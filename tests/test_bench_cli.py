@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from vitprune.cli import main
+from vitprune.commands.cli import main
 
 TINY = ["--model", "deit_tiny_patch16_224", "--img-size", "64", "--batch", "2", "--rounds", "2",
         "--warmup", "1", "--no-progress"]

@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from vitprune import datasets
+from vitprune.data import datasets
 
 HAVE_FASHION_MNIST = (datasets.FASHION_MNIST_DIR / "t10k-labels-idx1-ubyte.gz").exists()
 needs_data = pytest.mark.skipif(not HAVE_FASHION_MNIST, reason="apt-get install dataset-fashion-mnist")

@@ -138,17 +138,17 @@ def test_parallel_things_block_scores_the_heads_of_every_branch():
     rows = []
     for branch in model.blocks[0].attns:
         branch.attn.register_forward_hook(lambda *a: None)  # the pruning block runs the branches itself
-    from vitprune import attention
+    from vitprune.families import attention
 
     original = attention.attention_with_row
 
-    def spy(attn, x, num_prefix, source="cls", bias=None):
-        out, row = original(attn, x, num_prefix, source, bias)
+    def spy(attn, x, num_prefix, source="cls", bias=None, rope=None):
+        out, row = original(attn, x, num_prefix, source, bias, rope)
         rows.append(row.row)
         return out, row
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("vitprune.blocks.attention_with_row", spy)
+        mp.setattr("vitprune.families.vit.attention_with_row", spy)
         seen = []
         mp.setattr(model.vitprune_state, "scores", lambda row: (seen.append(row), row.var(1))[1])
         with torch.no_grad():

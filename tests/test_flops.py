@@ -6,8 +6,9 @@ import torch
 
 import vitprune
 from conftest import PAPER
-from vitprune.budget import fit_keep_rate
-from vitprune.flops import analytic_flops, count_flops, num_patches, schedule_flops
+from vitprune.measure.budget import fit_keep_rate
+from vitprune.core.grid import num_patches
+from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vitprune.indicators import head_agreement, head_mean, head_medad, head_variance, median, uniform_random
+from vitprune.core.indicators import head_agreement, head_mean, head_medad, head_variance, median, uniform_random
 
 # One image, the class token's attention over 3 patches, for 2 heads: (B=1, H=2, N=3).
 TWO_HEADS = torch.tensor([[[0.2, 0.5, 0.3],

@@ -9,10 +9,10 @@ from torch.testing import assert_close
 
 import vitprune
 from conftest import PAPER, image_batch
-from vitprune.attention import attend
-from vitprune.baseline import fit_merging, merging_config
-from vitprune.flops import schedule_flops
-from vitprune.merging import Matched, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from vitprune.families.attention import attend
+from vitprune.measure.baseline import fit_merging, merging_config
+from vitprune.measure.flops import schedule_flops
+from vitprune.core.merging import Matched, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
 
 
 def unit(*rows):

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 import vitprune
-from vitprune.budget import fit_overlap, overlap_options
-from vitprune.flops import analytic_flops, count_flops
-from vitprune.overlap import overlapped_grid, resample_grid_embed
+from vitprune.measure.budget import fit_overlap, overlap_options
+from vitprune.measure.flops import analytic_flops, count_flops
+from vitprune.core.overlap import overlapped_grid, resample_grid_embed
 from conftest import assert_same, image_batch, make_model, snapshot
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from vitprune.blocks import PruneBlock
+from vitprune.families.vit import PruneBlock
 from conftest import assert_same, image_batch, make_model, paper, snapshot
 
 

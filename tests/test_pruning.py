@@ -7,8 +7,8 @@ import timm
 import torch
 
 import vitprune
-from vitprune.flops import token_schedule
-from vitprune.indicators import head_medad, head_variance
+from vitprune.measure.flops import token_schedule
+from vitprune.core.indicators import head_medad, head_variance
 from conftest import image_batch, make_model, paper
 
 

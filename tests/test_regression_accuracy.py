@@ -18,10 +18,10 @@ import pytest
 
 import vitprune
 from conftest import PAPER
-from vitprune import indicators
-from vitprune.demo_models import load_shipped, load_test_subset
-from vitprune.evaluation import accuracy
-from vitprune.flops import schedule_flops
+from vitprune.core import indicators
+from vitprune.data.shipped import load_shipped, load_test_subset
+from vitprune.data.accuracy import accuracy
+from vitprune.measure.flops import schedule_flops
 
 KEEP = 0.7
 # dataset: {indicator: allowed drop from unpruned}, minimum lead over lowvar, over random

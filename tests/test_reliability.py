@@ -10,8 +10,8 @@ from torch import nn
 
 import vitprune
 from conftest import FAMILIES, assert_same, build, images, paper, snapshot
-from vitprune.cli import main
-from vitprune.tokens import fusion_weights
+from vitprune.commands.cli import main
+from vitprune.core.tokens import fusion_weights
 
 
 def tiny(**kwargs):

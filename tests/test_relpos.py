@@ -10,7 +10,7 @@ from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer_relpos import RelPosBlock
 
 import vitprune
-from vitprune.relpos import follow_bias, token_index
+from vitprune.families.relpos import follow_bias, token_index
 
 
 def test_follow_bias_gathers_rows_and_columns_and_zeroes_the_fusion_token():

@@ -6,7 +6,7 @@ import torch
 from timm.models.eva import EvaBlock
 
 import vitprune
-from vitprune.rope import follow_rope
+from vitprune.families.eva import follow_rope
 
 
 def test_follow_rope_gathers_rows_and_gives_the_fusion_token_no_rotation():

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from vitprune import datasets
-from vitprune.cli import main
-from vitprune.demo_models import checkpoint_path, load_shipped, load_test_subset, subset_path
-from vitprune.evaluation import accuracy
+from vitprune.data import datasets
+from vitprune.commands.cli import main
+from vitprune.data.shipped import checkpoint_path, load_shipped, load_test_subset, subset_path
+from vitprune.data.accuracy import accuracy
 
 
 @pytest.mark.parametrize("dataset", datasets.DATASETS)

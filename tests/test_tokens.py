@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from vitprune.config import keep_count
-from vitprune.tokens import fuse_tokens, fusion_weights, prune_tokens, select_top
+from vitprune.core.config import keep_count
+from vitprune.core.tokens import fuse_tokens, fusion_weights, prune_tokens, select_top
 
 
 @pytest.mark.parametrize("rate, n, expected", [

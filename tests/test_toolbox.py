@@ -7,7 +7,8 @@ import torch
 
 import vitprune
 from conftest import PAPER
-from vitprune import datasets, demo_models
+from vitprune.data import datasets
+from vitprune.data import shipped as demo_models
 
 
 def small(**kwargs):

@@ -9,8 +9,8 @@ import torch
 from PIL import Image
 
 import vitprune
-from vitprune.cli import main
-from vitprune.visualize import draw_panels, kept_masks, patch_footprints, visualize
+from vitprune.commands.cli import main
+from vitprune.pictures.visualize import draw_panels, kept_masks, patch_footprints, visualize
 
 
 def small_model(**options):

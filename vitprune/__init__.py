@@ -10,14 +10,18 @@
 See docs/method.md for the method and README.md for the evidence behind the defaults.
 """
 
-from .baseline import fit_merging, merging_config
-from .budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
-from .config import INDICATORS, REDUCTIONS, SELECTIONS, PruneConfig, default_stages, keep_count
-from .flops import analytic_flops, count_flops
-from .patching import SUPPORTED_MODELS, get_config, is_patched, kept_positions, patch, unpatch
-from .visualize import kept_masks, visualize
+from . import families  # noqa: F401  (registers the timm families)
+from .core.config import INDICATORS, REDUCTIONS, SELECTIONS, PruneConfig, default_stages, keep_count
+from .core.patching import get_config, is_patched, kept_positions, patch, supported_models, unpatch
+from .measure.baseline import fit_merging, merging_config
+from .measure.budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
+from .measure.flops import analytic_flops, count_flops
+from .pictures.visualize import kept_masks, visualize
 
 __version__ = "0.1.0"
+
+#: Model classes ``patch`` accepts (exact type match), one per registered family.
+SUPPORTED_MODELS = supported_models()
 
 __all__ = [
     "INDICATORS",

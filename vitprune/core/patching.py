@@ -3,78 +3,50 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional
+from typing import Any, List, NoReturn, Optional, Sequence, Union
 
 import torch
-from torch import nn
 from timm.layers import AttentionPoolLatent
-from timm.models.beit import Beit
-from timm.models.eva import Eva
-from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, VisionTransformer
-from timm.models.vision_transformer_relpos import VisionTransformerRelPos
+from torch import nn
 
-from .blocks import BLOCK_ATTRS, PRUNE_BLOCKS, SUPPORTED_ATTENTION, attention_modules
-from .config import SPREAD, PruneConfig
-from .models import PRUNE_MODELS
-from .relpos import BIAS_ATTENTION, BIAS_BLOCKS
-from .rope import ROPE_ATTENTION, ROPE_BLOCKS
+from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection
+from .grid import num_patches
 from .overlap import apply_overlap, check_overlap, remove_overlap
+from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, is_patched_model, is_pruning_block,
+                       original_block_class, original_model_class)
 from .state import PruneState
 
-#: Model classes ``patch`` accepts (exact type match).
-SUPPORTED_MODELS = tuple(PRUNE_MODELS)
-
-#: Why known model families cannot be pruned by this version, by class name.
-UNSUPPORTED_REASONS = {
-    "NaFlexVit": "it packs variable-resolution images with per-image padding masks; dropping tokens "
-                 "would have to follow each image's mask, which this version does not do",
-    "Hiera": "it is hierarchical: its mask-unit attention and pooling stages need the full token grid",
-    "Xcit": "its cross-covariance attention mixes channels, not tokens: there is no per-patch "
-            "attention to score, and its local patch interaction needs the full grid",
-    "VisionTransformerSAM": "its windowed attention blocks partition the full token grid into windows",
-    "Cait": "its patch tokens never attend to the class token (it joins only in the last class-attention "
-            "blocks), so the self-attention blocks have no class-token row to score",
-    "SwinTransformer": "its windowed attention and patch merging need the full token grid",
-    "PyramidVisionTransformerV2": "it is hierarchical (spatial-reduction attention on the full grid)",
-    "Twins": "its locally-grouped attention needs the full token grid",
-    "MultiScaleVit": "its pooling attention and stages need the full token grid",
-}
-
-#: Pooling modes for which a fusion token is harmless: token and none read only prefix
+#: Pooling modes for which a reduced token is harmless: token and none read only prefix
 #: tokens; avg and avgmax weight tokens by patch count; map weights its attention the same.
 SUPPORTED_POOLS = ("token", "", "avg", "avgmax", "max", "map")
 
 MODEL_ATTR = "vitprune_state"
-_ALL_BLOCKS = {**PRUNE_BLOCKS, **ROPE_BLOCKS, **BIAS_BLOCKS}
-_ORIGINAL_BLOCKS = {pruned: original for original, pruned in _ALL_BLOCKS.items()}
-_ORIGINAL_MODELS = {pruned: original for original, pruned in PRUNE_MODELS.items()}
 _OPTIONS = tuple(f.name for f in dataclasses.fields(PruneConfig))
 
+#: Indicators that measure disagreement between heads: one head gives every patch score 0.
+HEAD_SPREAD_INDICATORS = ("var", "medad", "lowvar")
 
-def _supported_names() -> str:
-    return ", ".join(f"timm {cls.__name__}" for cls in SUPPORTED_MODELS)
+
+def supported_models() -> tuple:
+    """The model classes ``patch`` accepts (exact type match), from the family registry."""
+    return tuple(family.model for family in families())
 
 
-def check_model(model: nn.Module) -> None:
-    """Raise ``TypeError`` unless ``model`` is a ViT this version can prune."""
-    kind = _ORIGINAL_MODELS.get(type(model), type(model))
-    if kind not in SUPPORTED_MODELS:
-        reason = UNSUPPORTED_REASONS.get(kind.__name__)
+def check_model(model: nn.Module) -> Family:
+    """The family of ``model``; ``TypeError`` unless it is a ViT this version can prune."""
+    family = family_of(model)
+    if family is None:
+        kind = original_model_class(model)
+        reason = REFUSED.get(kind.__name__)
         why = f": {reason}" if reason else ""
-        raise TypeError(
-            f"vitprune cannot patch a {kind.__module__}.{kind.__name__}{why}; supported: "
-            f"{_supported_names()} (vit_*, deit_*, deit3_*, CLIP, SigLIP and DINOv2 towers, flexivit, "
-            "hybrids; eva02_*, rope ViTs, DINOv3 and PE on timm's Eva; beit*, vit_relpos_*)"
-        )
+        names = ", ".join(f"timm {f.model.__name__}" for f in families())
+        examples = "; ".join(f.examples for f in families() if f.examples)
+        raise TypeError(f"vitprune cannot patch a {kind.__module__}.{kind.__name__}{why}; supported: {names} "
+                        f"({examples})")
     if model.global_pool not in SUPPORTED_POOLS:
         raise TypeError(
             f"vitprune supports global_pool in {SUPPORTED_POOLS}, got {model.global_pool!r}: "
             "this pooling would treat the fusion token as a single patch"
-        )
-    if model.global_pool in ("avg", "avgmax", "map") and "pool" not in vars(VisionTransformer):
-        raise TypeError(
-            f"vitprune weights global_pool={model.global_pool!r} by patch count through "
-            "VisionTransformer.pool, which this timm version lacks; upgrade timm"
         )
     attn_pool = getattr(model, "attn_pool", None)
     if attn_pool is not None and (type(attn_pool) is not AttentionPoolLatent or attn_pool.pos_embed is not None):
@@ -82,30 +54,18 @@ def check_model(model: nn.Module) -> None:
             f"vitprune supports attention pooling by timm's AttentionPoolLatent without a position "
             f"embedding (global_pool='map'), got {type(attn_pool).__name__}: its input must stay a full grid"
         )
+    return family
 
 
-def _original_block_type(block: nn.Module) -> type:
-    return _ORIGINAL_BLOCKS.get(type(block), type(block))
-
-
-#: Families whose position terms (rope, relative bias) live inside every block: all their
-#: blocks from the first stage on are swapped, with these subclasses.
-FOLLOWING_BLOCKS = {Eva: ROPE_BLOCKS, Beit: BIAS_BLOCKS, VisionTransformerRelPos: BIAS_BLOCKS}
-
-
-def _family(model: nn.Module) -> type:
-    return _ORIGINAL_MODELS.get(type(model), type(model))
-
-
-def _swap_plan(model: nn.Module, stages: "tuple[int, ...]",
+def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
                size_aware: bool = False) -> "dict[int, tuple[Optional[int], Optional[int]]]":
     """Which blocks ``patch`` swaps: index -> (stage number or ``None``, stage whose output
-    the block receives or ``None``). ViT blocks: the stage blocks, and with ``size_aware``
-    every block after the first stage (they add the size bias). Rope and bias families:
-    every block from the first stage on, since each must gather its tokens' position terms."""
-    every = _family(model) in FOLLOWING_BLOCKS or size_aware
+    the block receives or ``None``): the stage blocks, and every block after the first
+    stage where the family's blocks follow the tokens or with ``size_aware`` (they add
+    the size bias)."""
+    every = family.follows or size_aware
     plan, last = {}, None
-    for index in range(stages[0] if stages else len(model.blocks), len(model.blocks)):
+    for index in range(stages[0] if stages else depth, depth):
         number = stages.index(index) if index in stages else None
         if number is not None or every:
             plan[index] = (number, last)
@@ -113,48 +73,31 @@ def _swap_plan(model: nn.Module, stages: "tuple[int, ...]",
     return plan
 
 
-def _check_blocks(model: nn.Module, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
+def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
     """Raise ``TypeError`` unless every block to swap, and the attention it runs, are known exactly."""
-    family = _family(model)
-    known_blocks = FOLLOWING_BLOCKS.get(family, PRUNE_BLOCKS)
-    accepted = {Eva: ROPE_ATTENTION, Beit: BIAS_ATTENTION, VisionTransformerRelPos: BIAS_ATTENTION}.get(
-        family, (SUPPORTED_ATTENTION,))
     for index, (number, _) in plan.items():
         block = model.blocks[index]
-        original = _original_block_type(block)
-        if original not in known_blocks:
-            known = ", ".join(cls.__name__ for cls in known_blocks)
+        original = original_block_class(block)
+        if original not in family.blocks:
+            known = ", ".join(cls.__name__ for cls in family.blocks)
             raise TypeError(f"block {index} is a {original.__name__}; vitprune can prune in: {known}")
-        if number is None and family is Eva:
-            continue  # a following Eva block runs timm's own forward
-        attentions = attention_modules(block) if family not in FOLLOWING_BLOCKS else {"attn": block.attn}
-        for name, attn in attentions.items():
-            if type(attn) not in accepted:
+        if number is None and not family.check_followers:
+            continue  # a block that only follows runs its own forward
+        for name, attn in family.attention_modules(block).items():
+            if type(attn) not in family.attention:
+                accepted = " or ".join(a.__name__ for a in family.attention)
                 raise TypeError(
                     f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
-                    f"{original.__name__} blocks with timm's {' or '.join(a.__name__ for a in accepted)}"
+                    f"{original.__name__} blocks with timm's {accepted}"
                 )
 
 
-#: Indicators that measure disagreement between heads: one head gives every patch score 0.
-HEAD_SPREAD_INDICATORS = ("var", "medad", "lowvar")
-
-
-def scored_heads(block: nn.Module) -> int:
-    """How many attention heads a pruning block's scored row has (parallel attentions joined)."""
-    if isinstance(block, ParallelScalingBlock):
-        return block.num_heads
-    if isinstance(block, ParallelThingsBlock):
-        return sum(branch.attn.num_heads for branch in block.attns)
-    return block.attn.num_heads
-
-
-def _check_heads(model: nn.Module, config: PruneConfig) -> None:
+def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
     """Raise ``ValueError`` when the indicator compares heads and a stage block has one."""
     if config.indicator not in HEAD_SPREAD_INDICATORS:
         return
     for index in config.stages:
-        heads = scored_heads(model.blocks[index])
+        heads = family.heads(model.blocks[index])
         if heads < 2:
             raise ValueError(
                 f"indicator={config.indicator!r} measures how attention heads disagree, but block {index} "
@@ -166,8 +109,6 @@ def _check_heads(model: nn.Module, config: PruneConfig) -> None:
 def _patch_count(model: nn.Module, config: PruneConfig) -> Optional[int]:
     """Patch tokens at the model's own input size (after ``overlap_stride``), for the
     ``"spread"`` schedule; ``None`` when the embedding does not say."""
-    from .flops import num_patches  # flops imports this module
-
     if config.stages != SPREAD:
         return None
     try:
@@ -183,7 +124,18 @@ def check_options(options: "dict[str, Any]") -> None:
         raise TypeError(f"unknown option(s) {unknown}; accepted: {', '.join(_OPTIONS)}")
 
 
+class _Default:
+    """The default of a ``patch`` keyword: the field of ``config``, or of ``PruneConfig()``."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+DEFAULT: Any = _Default()
+
+
 def _make_config(config: Optional[PruneConfig], options: "dict[str, Any]") -> PruneConfig:
+    options = {name: value for name, value in options.items() if value is not DEFAULT}
     check_options(options)
     if config is None:
         return PruneConfig(**options)
@@ -211,8 +163,18 @@ def patch(
         config: Optional[PruneConfig] = None,
         /,
         *,
+        indicator: Optional[Indicator] = DEFAULT,
+        keep_rate: Union[float, Sequence[float]] = DEFAULT,
+        stages: Union[Sequence[int], str, None] = DEFAULT,
+        T: float = DEFAULT,
+        selection: Optional[Selection] = DEFAULT,
+        reduction: Optional[Reduction] = DEFAULT,
+        size_aware: bool = DEFAULT,
+        overlap_stride: Optional[int] = DEFAULT,
+        seed: Optional[int] = DEFAULT,
+        fuse: Optional[bool] = DEFAULT,
         generator: Optional[torch.Generator] = None,
-        **options: Any,
+        **unknown: NoReturn,
 ) -> nn.Module:
     """Make ``model`` reduce its patch tokens, in place, and return it.
 
@@ -220,18 +182,33 @@ def patch(
     exactly as it was. Patching a patched model replaces the previous patch. The
     defaults are the configuration our experiments found most accurate at equal FLOPs
     (bipartite matching, merging into the most similar kept token, size-aware
-    attention; docs/method.md §9); the paper's method is
-    ``indicator="var", selection="top", reduction="fuse", size_aware=False``.
+    attention, every block; docs/method.md, "Defaults"); the paper's method is
+    ``indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False``.
+    Every keyword is a :class:`PruneConfig` field (see it for the accepted values) except
+    ``generator``; one left out takes ``config``'s value, or ``PruneConfig``'s default.
 
     Args:
         model: A timm ViT of a supported family (``SUPPORTED_MODELS``; README,
             "Supported models"). With a class token the indicators score its attention
             row; without one, the mean attention each patch receives.
-        config: A :class:`PruneConfig`; ``options`` override its fields.
+        config: A :class:`PruneConfig`; the keywords given override its fields.
+        indicator: What scores the patches: ``"var"``, ``"medad"`` (the paper's), ``"cls"``,
+            ``"random"``, ``"lowvar"``; ``None`` (default): no score, bipartite matching.
+        keep_rate: Fraction of the patch tokens each stage keeps, in (0, 1] (default
+            0.7), or one rate per stage.
+        stages: ``"spread"`` (default: every block, at the rate whose token count matches
+            the paper's three stages at ``keep_rate``), ``"all"``, ``None`` (the paper's
+            blocks 3, 6, 9 scaled to the depth) or block indices.
+        T: Temperature of the fusion token's weights, > 0 (default 1.0; ``math.inf``: mean).
+        selection: ``"top"``, ``"redundant"`` or ``"bipartite"``; default: ``"bipartite"``
+            without an indicator, ``"top"`` with one.
+        reduction: ``"merge"`` (default), ``"fuse"`` (the paper's fusion token) or ``"drop"``.
+        size_aware: Add ``log(size)`` to the attention logits of merged tokens (default True).
+        overlap_stride: Give the patch embedding this stride (overlapping patches).
+        seed: Seed of the ``"random"`` indicator.
+        fuse: The first release's switch (``True``: ``reduction="fuse"``, ``False``: ``"drop"``).
         generator: Generator for ``indicator="random"`` (instead of ``seed``).
-        **options: :class:`PruneConfig` fields: ``indicator``, ``keep_rate``, ``stages``,
-            ``T``, ``selection``, ``reduction``, ``size_aware``, ``fuse``, ``seed``,
-            ``overlap_stride``.
+        **unknown: Refused with a ``TypeError`` that lists the accepted options.
 
     Returns:
         The same model object.
@@ -248,15 +225,21 @@ def patch(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    cfg = _make_config(config, options)
-    check_model(model)
+    check_options(unknown)  # a clear message naming the accepted options, not Python's
+    cfg = _make_config(config, dict(
+        indicator=indicator, keep_rate=keep_rate, stages=stages, T=T, selection=selection, reduction=reduction,
+        size_aware=size_aware, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
+    family = check_model(model)
     cfg = cfg.resolve(len(model.blocks), _patch_count(model, cfg))
-    plan = _swap_plan(model, cfg.stages, cfg.size_aware)
-    _check_blocks(model, plan)
-    _check_heads(model, cfg)
+    plan = _swap_plan(family, len(model.blocks), cfg.stages, cfg.size_aware)
+    _check_blocks(model, family, plan)
+    _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
-    if cfg.overlap_stride is not None and not isinstance(model, VisionTransformer):
-        raise TypeError(f"overlap_stride is supported for VisionTransformer models only, not {_family(model).__name__}")
+    if cfg.overlap_stride is not None and not family.overlap:
+        bases = [f.model for f in families() if f.overlap]
+        bases = " or ".join(c.__name__ for c in bases if not any(c is not b and issubclass(c, b) for b in bases))
+        raise TypeError(f"overlap_stride is supported for {bases} models only (an absolute position "
+                        f"embedding), not {family.model.__name__}")
     if cfg.overlap_stride is not None:
         previous = model.__dict__.get(MODEL_ATTR)
         check_overlap(model, cfg.overlap_stride, None if previous is None else previous.overlap)
@@ -267,10 +250,10 @@ def patch(
     if cfg.overlap_stride is not None:
         state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
-    model.__class__ = PRUNE_MODELS[type(model)]
+    model.__class__ = family.patched
     for index, (number, follow) in plan.items():
         block = model.blocks[index]
-        block.__class__ = _ALL_BLOCKS[type(block)]
+        block.__class__ = family.blocks[type(block)]
         block.vitprune_state = state
         block.vitprune_stage = number
         block.vitprune_follow = follow
@@ -288,16 +271,15 @@ def unpatch(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     for module in list(model.modules()):
-        original = _ORIGINAL_BLOCKS.get(type(module))
-        if original is not None:
-            module.__class__ = original
+        if is_pruning_block(module):
+            module.__class__ = original_block_class(module)
             for name in BLOCK_ATTRS:
                 module.__dict__.pop(name, None)
-        elif MODEL_ATTR in module.__dict__:  # a patched model
-            state = module.__dict__.pop(MODEL_ATTR)
-            if state.overlap is not None:
+        elif is_patched_model(module):
+            state = module.__dict__.pop(MODEL_ATTR, None)
+            if state is not None and state.overlap is not None:
                 remove_overlap(module, state.overlap)
-            module.__class__ = _ORIGINAL_MODELS.get(type(module), type(module))
+            module.__class__ = original_model_class(module)
     return model
 
 
@@ -305,7 +287,7 @@ def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` is currently patched by vitprune."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return MODEL_ATTR in model.__dict__ and type(model) in _ORIGINAL_MODELS
+    return MODEL_ATTR in model.__dict__ and is_patched_model(model)
 
 
 def state_of(model: nn.Module) -> PruneState:

@@ -5,51 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional
 
 import timm
-import torch
 
-from .config import INDICATORS
-from .patching import patch
-
-
-def _load_picture(path: str):
-    from PIL import Image, UnidentifiedImageError
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    try:
-        picture = Image.open(path)
-        picture.load()
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"cannot read {path} as an image ({error})") from None
-    return picture
-
-
-def prepare_timm(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The model's own preprocessing (timm's data config): ``(input, display in [0, 1])``."""
-    config = timm.data.resolve_data_config({}, model=model)
-    x = timm.data.create_transform(**config)(picture.convert("RGB")).unsqueeze(0)
-    mean = torch.tensor(config["mean"]).view(1, -1, 1, 1)
-    std = torch.tensor(config["std"]).view(1, -1, 1, 1)
-    return x, (x * std + mean).clamp(0, 1)
-
-
-def prepare_greyscale(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Preprocessing of vitprune's own small models: greyscale, resized, normalised like Fashion-MNIST."""
-    from .datasets import MEAN, STD
-
-    size = tuple(int(s) for s in model.patch_embed.img_size)
-    grey = picture.convert("L").resize((size[1], size[0]))
-    display = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).view(1, 1, *size).float() / 255
-    return (display - MEAN) / STD, display
+from ..core.config import INDICATORS
+from ..core.patching import patch
+from ..data.pictures import load_picture, prepare_greyscale, prepare_timm
 
 
 def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool):
     """``(model, prepare)``: a timm model by name, or a checkpoint of vitprune's own models."""
     if checkpoint is not None:
-        from .demo_models import load_checkpoint
+        from ..data.shipped import load_checkpoint
 
         if not Path(checkpoint).is_file():
             raise FileNotFoundError(f"no such checkpoint: {checkpoint}")
@@ -85,12 +53,12 @@ def main(args: argparse.Namespace) -> int:
     import matplotlib
 
     matplotlib.use("Agg")  # a command writes files; no window
-    from .visualize import visualize
+    from ..pictures.visualize import visualize
 
     try:
         if not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must be a .png file, got {args.out!r}")
-        picture = _load_picture(args.image)
+        picture = load_picture(args.image)
         model, prepare = load_model(args.model, args.checkpoint, args.pretrained)
         patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
               overlap_stride=args.overlap_stride)

@@ -4,16 +4,28 @@ forward kept."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .attention import Scored
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
 from .merging import key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
 from .tokens import keep_or_fuse, prune_tokens
+
+
+class Scored(NamedTuple):
+    """What a pruning block hands to the reduction step.
+
+    Attributes:
+        row: ``(B, H, N)`` float32: the per-head attention the indicators score, or ``None``
+            when the reduction needs no score.
+        keys: ``(B, H, P + N, d)``: the keys as the attention used them (for similarity).
+    """
+
+    row: Optional[torch.Tensor]
+    keys: torch.Tensor
 
 
 class ForwardRecords:

@@ -1,6 +1,7 @@
-"""Pruning versions of timm's ViT model classes, swapped in by class like the blocks.
+"""What a patched model class adds to its timm class (each family's patched class mixes
+these in; swapped in by class like the blocks).
 
-They change two methods, and only while a forward pruned something:
+Changed methods, which differ from timm's only while a forward pruned something:
 
 - ``pool`` (``forward_head`` for BEiT and relpos, which average inline): average pooling
   weights every token by the number of original patches it stands for
@@ -23,13 +24,8 @@ from typing import Any, Dict
 
 import torch
 from timm.models._features import feature_take_indices
-from timm.models.beit import Beit
-from timm.models.deit import VisionTransformerDistilled
-from timm.models.eva import Eva
-from timm.models.vision_transformer import VisionTransformer
-from timm.models.vision_transformer_relpos import VisionTransformerRelPos
 
-from .config import keep_count
+from ..core.config import keep_count
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # torch < 2.3 has none
 
@@ -50,7 +46,9 @@ def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
     return features
 
 
-class _PrunedModel:
+class PrunedModel:
+    """What every patched model class adds to its timm class (see the module docs)."""
+
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
         """The token sizes of features ``x``: those recorded on it by ``forward_features``;
         while tracing, those of the forward being traced; ``None`` when every token is one patch.
@@ -139,22 +137,7 @@ class _PrunedModel:
         return None
 
 
-class PruneVisionTransformer(_PrunedModel, VisionTransformer):
-    """timm ``VisionTransformer`` while patched (see the module docs)."""
-
-
-class PruneVisionTransformerDistilled(_PrunedModel, VisionTransformerDistilled):
-    """timm ``VisionTransformerDistilled`` while patched (token pooling only)."""
-
-
-class PruneEva(_PrunedModel, Eva):
-    """timm ``Eva`` while patched: its attention pool reads all tokens, prefix included."""
-
-    def _vitprune_pool_prefix(self) -> bool:
-        return self.attn_pool is not None
-
-
-class _MeanPoolingHead:
+class MeanPoolingHead:
     """For models whose ``forward_head`` averages inline (BEiT, relpos): the same, size-weighted."""
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
@@ -166,19 +149,3 @@ class _MeanPoolingHead:
         return x if pre_logits else self.head(x)
 
 
-class PruneBeit(_MeanPoolingHead, _PrunedModel, Beit):
-    """timm ``Beit`` while patched."""
-
-
-class PruneVisionTransformerRelPos(_MeanPoolingHead, _PrunedModel, VisionTransformerRelPos):
-    """timm ``VisionTransformerRelPos`` while patched."""
-
-
-#: Original model class -> its patched subclass.
-PRUNE_MODELS: Dict[type, type] = {
-    VisionTransformer: PruneVisionTransformer,
-    VisionTransformerDistilled: PruneVisionTransformerDistilled,
-    Eva: PruneEva,
-    Beit: PruneBeit,
-    VisionTransformerRelPos: PruneVisionTransformerRelPos,
-}

@@ -12,7 +12,7 @@ import torch
 
 from .datasets import DATASETS
 
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parent.parent / "assets"  # vitprune/assets
 
 #: A DeiT-like ViT small enough to train on 2 CPU cores: 49 patch tokens, 6 heads, 6 blocks.
 COMMON_ARGS: Dict[str, Any] = dict(in_chans=1, embed_dim=96, depth=6, num_heads=6, mlp_ratio=4.0, num_classes=10)

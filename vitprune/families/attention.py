@@ -9,13 +9,15 @@ needs the matrix, so pruning blocks of such models run timm's explicit attention
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention
+from timm.layers import apply_rot_embed_cat
 from timm.models.vision_transformer import ParallelScalingBlock
 from torch import nn
+
+from ..core.state import Scored
 
 
 def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix: int,
@@ -49,19 +51,6 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
     if bias is not None:
         logits = logits + bias[:, :, 0]
     return logits.float().softmax(dim=-1)[:, :, num_prefix:]
-
-
-class Scored(NamedTuple):
-    """What a pruning block hands to the reduction step.
-
-    Attributes:
-        row: ``(B, H, N)`` float32: the per-head attention the indicators score, or ``None``
-            when the reduction needs no score.
-        keys: ``(B, H, P + N, d)``: the keys as the attention used them (for similarity).
-    """
-
-    row: Optional[torch.Tensor]
-    keys: torch.Tensor
 
 
 def join_scored(parts: "list[Scored]") -> Scored:
@@ -152,31 +141,60 @@ def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, t
     return q, k, v
 
 
+def rotate(t: torch.Tensor, rope: torch.Tensor, num_prefix: int, half: bool) -> torch.Tensor:
+    """Rotary embedding on the non-prefix tokens of ``(B, H, L, d)`` ``t`` (timm's ``cat`` table)."""
+    turned = apply_rot_embed_cat(t[:, :, num_prefix:], rope, half=half) if half else \
+        apply_rot_embed_cat(t[:, :, num_prefix:], rope)  # no ``half`` before timm 1.0.20
+    return torch.cat([t[:, :, :num_prefix], turned], dim=2)
+
+
 def attention_with_row(
-        attn: Attention,
+        attn: nn.Module,
         x: torch.Tensor,
         num_prefix: int,
         source: str = "cls",
         bias: Optional[torch.Tensor] = None,
+        rope: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Scored]:
-    """``attn(x)`` exactly as timm computes it, and the row the indicators score.
+    """``attn(x)`` exactly as timm computes it, and what the reduction step needs.
 
-    Uses the module's own ``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``gate``, ``proj``
-    and dropouts, and its fused or explicit path as ``attn.fused_attn`` says; the
-    equivalence tests hold this to timm's forward.
+    The one attention path of every family: timm's ``Attention``, Eva's ``EvaAttention``
+    and ``AttentionRope`` (with ``rope``), BEiT's and relpos's attention (with their
+    relative bias already in ``bias``). Uses the module's own projections (fused ``qkv``
+    or separate), ``q_norm``/``k_norm``, rotary embedding, grouped key/value heads,
+    ``norm``, ``gate``, ``proj`` and dropouts where it has them, and its fused or explicit
+    path as ``attn.fused_attn`` says; the equivalence tests hold this to timm's forward.
+
+    Args:
+        attn: The attention module.
+        x: ``(B, P + N, C)`` tokens (already normed by the block where it norms first).
+        num_prefix: ``P``, tokens never scored.
+        source: One of :data:`ROW_SOURCES`.
+        bias: Additive attention bias (relative position, token sizes), or ``None``.
+        rope: timm's rotary table for the non-prefix tokens (``cat`` layout), or ``None``.
 
     Returns:
-        The attention output ``(B, P + N, C)`` and the :class:`Scored` row and keys.
+        The attention output ``(B, P + N, C)`` and the :class:`Scored` row and keys (the
+        row after the rotation and bias, as the attention sees them).
     """
-    B, L, _ = x.shape
     gate_layer = getattr(attn, "gate", None)
     gate = gate_layer(x).sigmoid() if gate_layer is not None else None
     q, k, v = project_qkv(attn, x)
-    q, k = attn.q_norm(q), attn.k_norm(k)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    if rope is not None:
+        npt, half = attn.num_prefix_tokens, getattr(attn, "rotate_half", False)
+        q, k = rotate(q, rope, npt, half).type_as(v), rotate(k, rope, npt, half).type_as(v)
+    groups = getattr(attn, "num_kv_groups", 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
                       num_prefix=num_prefix, source=source, bias=bias)
-    out = out.transpose(1, 2).reshape(B, L, attn.num_heads * attn.head_dim)
-    out = attn.norm(out) if hasattr(attn, "norm") else out
+    out = out.transpose(1, 2).flatten(2)
+    norm = getattr(attn, "norm", None)
+    if norm is not None:
+        out = norm(out)
     if gate is not None:
         out = out * gate
     return attn.proj_drop(attn.proj(out)), row

@@ -17,8 +17,9 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from .config import PruneConfig
-from .flops import num_patches, schedule_flops
+from ..core.config import PruneConfig
+from ..core.grid import num_patches
+from .flops import schedule_flops
 
 
 def merging_config(model: nn.Module, r: Union[int, Sequence[int]],

@@ -1,4 +1,6 @@
-"""Top-1 accuracy of a model on uint8 images (vitprune's own data)."""
+"""What the experiment scripts share: their inputs (checkpoints and test data from the
+command line) and their results files (``docs/results/NAME.json`` with the command that
+wrote them). Scaffolding for this repository's experiments, not part of the library."""
 
 from __future__ import annotations
 
@@ -11,23 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .datasets import load, to_input
-
-
-@torch.inference_mode()
-def accuracy(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, batch: int = 500) -> float:
-    """Fraction of ``images`` (uint8 ``(N, H, W)``) whose top-1 prediction is the label.
-
-    Runs in eval mode and puts the model's mode back afterwards.
-    """
-    was_training = model.training
-    model.eval()
-    correct = 0
-    for start in range(0, len(images), batch):
-        logits = model(to_input(images[start:start + batch]))
-        correct += (logits.argmax(-1) == labels[start:start + batch]).sum().item()
-    model.train(was_training)
-    return correct / len(images)
+from vitprune.data.datasets import load
+from vitprune.data.shipped import load_checkpoint
 
 
 def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[torch.nn.Module, Dict[str, Any]]],
@@ -35,8 +22,6 @@ def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[
     """The experiment scripts' common start: ``--checkpoints`` and ``--docs`` parsed, the
     checkpoints loaded, and the test split (or its first ``--limit`` images) of every
     dataset they were trained on."""
-    from .demo_models import load_checkpoint
-
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoints", nargs="+", required=True, help="from examples/train_small_vit.py")
     parser.add_argument("--docs", default="docs", help="where the tables, plots and results/ go")

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import INDICATORS, SPREAD, PruneConfig
-from .flops import count_flops, input_size
-from .memory import cpu_peak_bytes, cuda_peak_bytes
-from .patching import check_model, patch
+from ..core.config import INDICATORS, SPREAD, PruneConfig
+from ..core.grid import input_size
+from ..core.patching import check_model, patch
+from ..measure.flops import count_flops
+from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT = "default"  # a setting with vitprune's defaults rather than the paper's method

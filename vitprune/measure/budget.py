@@ -8,10 +8,11 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
 
 from torch import nn
 
-from .config import ALL_BLOCKS, SPREAD, PruneConfig
-from .flops import input_size, num_patches, schedule_flops
-from .overlap import check_overlap
-from .patching import check_model, check_options
+from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig
+from ..core.grid import input_size, num_patches
+from ..core.overlap import check_overlap
+from ..core.patching import check_model, check_options
+from .flops import schedule_flops
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .patching import get_config, kept_positions, state_of
+from ..core.patching import get_config, kept_positions, state_of
 
 
 def _check_stages(model: nn.Module) -> None:

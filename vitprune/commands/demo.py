@@ -16,13 +16,13 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from ..core.config import INDICATORS
+from ..core.patching import patch
+from ..data.accuracy import accuracy
+from ..data.datasets import DATASETS, to_input
+from ..data.shipped import load_shipped, load_test_subset
+from ..measure.flops import analytic_flops
 from .bench import time_interleaved
-from .config import INDICATORS
-from .datasets import DATASETS, to_input
-from .demo_models import load_shipped, load_test_subset
-from .evaluation import accuracy
-from .flops import analytic_flops
-from .patching import patch
 
 DEFAULT_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 

@@ -1,0 +1,1 @@
+"""The ``vitprune`` command and its subcommands."""

@@ -1,0 +1,89 @@
+"""What every pruning block shares, and the block forwards, once per residual layout.
+
+A pruning block is a subclass of a timm block swapped in by class (``patch``): it only
+overrides ``forward`` and calls the block's own submodules, so ``state_dict`` keys,
+parameters and hooks are the block's own, and restoring the original class undoes the
+patch. Where attention and MLP run in sequence the tokens are reduced between them (as in
+the paper); the reduction step (``PruneState.prune``: fusion, merging or dropping) is
+called from :meth:`PruningBlock._vitprune_reduce` and nowhere else.
+
+A family's block class mixes in one layout (:class:`PreNorm`, :class:`ResPost`) and
+supplies ``_vitprune_attention(tokens, context)``: its attention through
+:func:`~vitprune.families.attention.attention_with_row` with the family's terms (size
+bias; rope; relative bias).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..core.state import PruneState, Scored
+
+
+def refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+    if attn_mask is not None or is_causal:
+        raise ValueError(
+            "vitprune: a pruning block (or, in rope models, any block after one) cannot apply "
+            "attn_mask or is_causal, because the mask no longer matches the tokens after pruning; "
+            "unpatch the model to use masks"
+        )
+
+
+class PruningBlock:
+    """What every swapped block carries (set by ``patch``)."""
+
+    vitprune_state: PruneState
+    vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows a stage
+    vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
+
+    def _vitprune_begin(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The size-aware attention bias for ``x`` (see ``PruneState.begin``)."""
+        return self.vitprune_state.begin(x, self.vitprune_stage, self.vitprune_follow)
+
+    def _vitprune_reduce(self, x: torch.Tensor, scored: Scored) -> torch.Tensor:
+        """The reduction step at a stage; nothing for a block that only follows."""
+        if self.vitprune_stage is None:
+            return x
+        return self.vitprune_state.prune(x, scored, self.vitprune_stage)
+
+    def _vitprune_positions(self) -> Optional[torch.Tensor]:
+        """``(B, n)`` original patch index of each incoming non-prefix token (``-1``: fusion),
+        or ``None`` before the first stage."""
+        if self.vitprune_follow is None:
+            return None
+        return self.vitprune_state.positions[self.vitprune_follow]
+
+    def _vitprune_attention(self, tokens: torch.Tensor, context: Any) -> Tuple[torch.Tensor, Scored]:
+        raise NotImplementedError
+
+
+def _scaled(block: torch.nn.Module, branch: int, out: torch.Tensor) -> torch.Tensor:
+    """A branch's output times its layer scale: timm's ``ls1``/``ls2`` modules, or Eva's and
+    BEiT's ``gamma_1``/``gamma_2`` parameters (``None``: no scale)."""
+    scale = getattr(block, f"ls{branch}", None)
+    if scale is not None:
+        return scale(out)
+    gamma = getattr(block, f"gamma_{branch}", None)
+    return out if gamma is None else gamma * out
+
+
+class PreNorm(PruningBlock):
+    """Norm before each branch: ``x + attn(norm1(x))``, reduce, ``x + mlp(norm2(x))``
+    (timm's ``Block``, ``EvaBlock``, BEiT's and relpos's ``Block``)."""
+
+    def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        out, scored = self._vitprune_attention(self.norm1(x), context)
+        x = self._vitprune_reduce(x + self.drop_path1(_scaled(self, 1, out)), scored)
+        return x + self.drop_path2(_scaled(self, 2, self.mlp(self.norm2(x))))
+
+
+class ResPost(PruningBlock):
+    """Norm after each branch: ``x + norm1(attn(x))``, reduce, ``x + norm2(mlp(x))``
+    (timm's ``ResPostBlock``, ``EvaBlockPostNorm``, ``ResPostRelPosBlock``)."""
+
+    def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        out, scored = self._vitprune_attention(x, context)
+        x = self._vitprune_reduce(x + self.drop_path1(self.norm1(out)), scored)
+        return x + self.drop_path2(self.norm2(self.mlp(x)))

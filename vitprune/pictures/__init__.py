@@ -1,0 +1,1 @@
+"""Pictures of what a pruned model keeps (matplotlib, imported when a figure is drawn)."""
