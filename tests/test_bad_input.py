@@ -3,7 +3,7 @@
 import pytest
 import timm
 import torch
-from timm.models.vision_transformer import DiffParallelScalingBlock
+from timm.models import vision_transformer
 from timm.models.vision_transformer_sam import VisionTransformerSAM
 from torch import nn
 
@@ -45,12 +45,20 @@ def test_a_failed_repatch_keeps_the_previous_patch(tiny, options, error, match):
     assert_same(before, snapshot(tiny))
 
 
+def newer_block(name):
+    """A timm block class that older timm versions lack (the test skips there)."""
+    block = getattr(vision_transformer, name, None)
+    if block is None:
+        pytest.skip(f"timm {timm.__version__} has no {name}")
+    return block
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: nn.Linear(3, 3), "supported: timm VisionTransformer"),
     (lambda: timm.create_model("resnet10t"), "cannot patch a .*ResNet"),
     (lambda: "deit_small_patch16_224", "torch.nn.Module"),
     (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="prr"), "got .prr.: this pooling"),
-    (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=DiffParallelScalingBlock),
+    (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=newer_block("DiffParallelScalingBlock")),
      "block 0 is a DiffParallelScalingBlock; vitprune can prune in: Block, ResPostBlock"),
     (lambda: timm.create_model("deit_tiny_patch16_224", attn_layer="diff"), "attention DiffAttention"),
     (lambda: timm.create_model("naflexvit_base_patch16_gap", depth=2), "NaFlexVit: it packs"),
@@ -61,7 +69,10 @@ def test_a_failed_repatch_keeps_the_previous_patch(tiny, options, error, match):
                                   global_attn_indexes=(1,)), "VisionTransformerSAM: its windowed"),
 ])
 def test_unsupported_models_raise_type_error_and_stay_untouched(make, match):
-    model = make()
+    try:
+        model = make()
+    except (RuntimeError, TypeError, AssertionError) as error:  # a model or option this timm version lacks
+        pytest.skip(f"timm {timm.__version__}: {error}")
     before = snapshot(model) if isinstance(model, nn.Module) else None
     with pytest.raises(TypeError, match=match):
         vitprune.patch(model, keep_rate=0.7)

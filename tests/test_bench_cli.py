@@ -40,6 +40,7 @@ def test_bench_times_eager_and_compiled_side_by_side(tmp_path):
     assert rows[3]["gflops"] == rows[1]["gflops"]
 
 
+@pytest.mark.slow
 def test_bench_training_step_with_memory_and_csv(tmp_path):
     out = tmp_path / "bench.csv"
     code = main(["bench", *TINY, "--mode", "train", "--indicators", "medad", "--keep-rates", "0.5",
@@ -70,6 +71,7 @@ def test_bad_options_exit_non_zero_with_a_message(options, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_console_entry_reports_errors_with_exit_status_2():
     result = subprocess.run([sys.executable, "-m", "vitprune", "bench", "--model", "no_such_model"],
                             capture_output=True, text=True)

@@ -14,7 +14,7 @@ from conftest import FAMILIES, PAPER, all_blocks, build, images, paper
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("indicator", ["var", "medad"])
-def test_nothing_pruned_equals_unpatched(name, indicator):
+def test_nothing_pruned_equals_unpatched_in_every_family(name, indicator):
     model = build(name)
     x = images(model)
     with torch.no_grad():

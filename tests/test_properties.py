@@ -12,7 +12,8 @@ import math
 import os
 
 import torch
-from hypothesis import HealthCheck, event, example, given, settings
+import pytest
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 import vitprune
@@ -31,7 +32,10 @@ _built = {}
 def fresh(name):
     """A new copy of the family's model (built once per session: building is the slow part)."""
     if name not in _built:
-        _built[name] = build(name)
+        try:
+            _built[name] = build(name)
+        except pytest.skip.Exception:  # not in this timm version: draw another
+            assume(False)
     return copy.deepcopy(_built[name])
 
 

@@ -19,9 +19,11 @@ import pytest
 import vitprune
 from conftest import PAPER
 from vitprune.core import indicators
-from vitprune.data.shipped import load_shipped, load_test_subset
 from vitprune.data.accuracy import accuracy
+from vitprune.data.shipped import load_shipped, load_test_subset
 from vitprune.measure.flops import schedule_flops
+
+pytestmark = pytest.mark.slow  # runs the shipped models over their test subsets
 
 KEEP = 0.7
 # dataset: {indicator: allowed drop from unpruned}, minimum lead over lowvar, over random

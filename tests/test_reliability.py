@@ -9,14 +9,13 @@ import torch
 from torch import nn
 
 import vitprune
-from conftest import FAMILIES, assert_same, build, images, paper, snapshot
+from conftest import FAMILIES, assert_same, build, images, paper, small_vit, snapshot
 from vitprune.commands.cli import main
 from vitprune.core.tokens import fusion_weights
 
 
 def tiny(**kwargs):
-    torch.manual_seed(0)
-    return timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, **kwargs).eval()
+    return small_vit(depth=4, **kwargs)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -35,6 +35,7 @@ def test_subset_accuracy_matches_the_recorded_full_test_accuracy(dataset):
     assert abs(accuracy(model, images, labels) - record["test_accuracy"]) < 0.02
 
 
+@pytest.mark.slow
 def test_demo_runs_and_writes_a_plot(tmp_path, capsys):
     out = tmp_path / "demo.png"
     code = main(["demo", "--datasets", "fashion_mnist", "--keep-rates", "0.7", "--rounds", "1", "--out", str(out)])

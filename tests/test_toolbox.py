@@ -2,18 +2,12 @@
 gradient checkpointing, and timm's forward_* / reset_classifier methods."""
 
 import pytest
-import timm
 import torch
 
 import vitprune
-from conftest import PAPER
+from conftest import PAPER, small_vit
 from vitprune.data import datasets
 from vitprune.data import shipped as demo_models
-
-
-def small(**kwargs):
-    torch.manual_seed(0)
-    return timm.create_model("deit_tiny_patch16_224", img_size=64, **kwargs).eval()
 
 
 def images(batch=2, size=64, seed=1):
@@ -23,7 +17,7 @@ def images(batch=2, size=64, seed=1):
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all")], ids=str)
 def test_torch_export_reproduces_eager(options):
-    model, x = vitprune.patch(small(), **{"keep_rate": 0.7, **options}), images()
+    model, x = vitprune.patch(small_vit(), **{"keep_rate": 0.7, **options}), images()
     with torch.no_grad():
         expected = model(x)
     exported = torch.export.export(model, (x,))
@@ -38,7 +32,7 @@ def test_torch_export_reproduces_eager(options):
 def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, options):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    model, x = vitprune.patch(small(), indicator="medad", **{"keep_rate": 0.6, **options}), images()
+    model, x = vitprune.patch(small_vit(), indicator="medad", **{"keep_rate": 0.6, **options}), images()
     with torch.no_grad():
         expected = model(x).numpy()
     torch.onnx.export(model, (x,), str(tmp_path / "pruned.onnx"), dynamo=True, verbose=False)
@@ -74,7 +68,7 @@ def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator, options
 
 
 def test_scores_stay_finite_in_bf16():
-    model = vitprune.patch(small().to(torch.bfloat16), keep_rate=0.7, indicator="var", **PAPER)
+    model = vitprune.patch(small_vit().to(torch.bfloat16), keep_rate=0.7, indicator="var", **PAPER)
     captured = []
     state = model.vitprune_state
     original = state.scores
@@ -90,7 +84,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(indicator):
     x, target = images(batch=4), torch.tensor([1, 2, 3, 4])
 
     def grads(checkpointing):
-        model = vitprune.patch(small(num_classes=5), indicator=indicator, keep_rate=0.6).train()
+        model = vitprune.patch(small_vit(num_classes=5), indicator=indicator, keep_rate=0.6).train()
         torch.manual_seed(5)
         model.set_grad_checkpointing(checkpointing)
         torch.nn.functional.cross_entropy(model(x), target).backward()
@@ -106,7 +100,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(indicator):
 
 
 def test_forward_features_and_forward_head_compose_to_forward():
-    model, x = vitprune.patch(small(), keep_rate=0.5, **PAPER), images()
+    model, x = vitprune.patch(small_vit(), keep_rate=0.5, **PAPER), images()
     with torch.no_grad():
         features = model.forward_features(x)
         assert features.shape == (2, 1 + 3 + 1, 192)  # class + kept + fusion: 16 -> 8+1 -> 5+1 -> 3+1
@@ -115,7 +109,7 @@ def test_forward_features_and_forward_head_compose_to_forward():
 
 
 def test_reset_classifier_keeps_pruning_and_weights_a_new_average_pool():
-    model, x = vitprune.patch(small(), keep_rate=0.5), images()
+    model, x = vitprune.patch(small_vit(), keep_rate=0.5), images()
     model.reset_classifier(7, global_pool="avg")
     with torch.no_grad():
         out = model(x)
@@ -130,7 +124,7 @@ def test_reset_classifier_keeps_pruning_and_weights_a_new_average_pool():
 
 
 def test_forward_intermediates_before_pruning_match_the_unpatched_model():
-    model, x = small(), images()
+    model, x = small_vit(), images()
     with torch.no_grad():
         expected = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
         vitprune.patch(model, keep_rate=0.7, stages=None)  # stages (3, 6, 9)
@@ -145,7 +139,7 @@ def test_forward_intermediates_before_pruning_match_the_unpatched_model():
     ({"stages": None}, [16, 12, 7]),  # 16 -> 12 -> 9 -> 7 (merged into kept tokens)
 ], ids=["paper", "merge"])
 def test_forward_intermediates_after_pruning_are_tokens_not_grids(options, counts):
-    model, x = vitprune.patch(small(), keep_rate=0.7, **options), images()
+    model, x = vitprune.patch(small_vit(), keep_rate=0.7, **options), images()
     with torch.no_grad():
         final, tokens = model.forward_intermediates(x, indices=[2, 3, 11], output_fmt="NLC")
         torch.testing.assert_close(model.forward_head(final), model(x))

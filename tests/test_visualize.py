@@ -81,6 +81,7 @@ def test_masks_need_a_forward_first():
         kept_masks(small_model(keep_rate=0.5), (64, 64))
 
 
+@pytest.mark.slow
 def test_show_writes_a_readable_png(tmp_path):
     # the real console entry, in a fresh process
     image = tmp_path / "photo.png"

@@ -10,40 +10,55 @@
 See docs/method.md for the method and README.md for the evidence behind the defaults.
 """
 
-from . import families  # noqa: F401  (registers the timm families)
-from .core.config import INDICATORS, REDUCTIONS, SELECTIONS, PruneConfig, default_stages, keep_count
-from .core.patching import get_config, is_patched, kept_positions, patch, supported_models, unpatch
-from .measure.baseline import fit_merging, merging_config
-from .measure.budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
-from .measure.flops import analytic_flops, count_flops
-from .pictures.visualize import kept_masks, visualize
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, List
 
 __version__ = "0.1.0"
 
-#: Model classes ``patch`` accepts (exact type match), one per registered family.
-SUPPORTED_MODELS = supported_models()
+#: Public name -> the module that defines it. Imported on first use, so ``import vitprune``
+#: (and ``vitprune --help``) loads neither torch nor timm until something needs them.
+_EXPORTS = {
+    "INDICATORS": "core.config", "REDUCTIONS": "core.config", "SELECTIONS": "core.config",
+    "PruneConfig": "core.config", "default_stages": "core.config", "keep_count": "core.config",
+    "get_config": "core.patching", "is_patched": "core.patching", "kept_positions": "core.patching",
+    "patch": "core.patching", "unpatch": "core.patching", "supported_models": "core.patching",
+    "fit_merging": "measure.baseline", "merging_config": "measure.baseline",
+    "OverlapOption": "measure.budget", "fit_keep_rate": "measure.budget", "fit_overlap": "measure.budget",
+    "overlap_options": "measure.budget",
+    "analytic_flops": "measure.flops", "count_flops": "measure.flops",
+    "kept_masks": "pictures.visualize", "visualize": "pictures.visualize",
+}
 
 __all__ = [
-    "INDICATORS",
-    "OverlapOption",
-    "PruneConfig",
-    "REDUCTIONS",
-    "SELECTIONS",
-    "SUPPORTED_MODELS",
-    "analytic_flops",
-    "count_flops",
-    "default_stages",
-    "fit_keep_rate",
-    "fit_merging",
-    "fit_overlap",
-    "get_config",
-    "is_patched",
-    "keep_count",
-    "kept_masks",
-    "kept_positions",
-    "merging_config",
-    "overlap_options",
-    "patch",
-    "unpatch",
-    "visualize",
+    "INDICATORS", "OverlapOption", "PruneConfig", "REDUCTIONS", "SELECTIONS", "SUPPORTED_MODELS",
+    "analytic_flops", "count_flops", "default_stages", "fit_keep_rate", "fit_merging", "fit_overlap",
+    "get_config", "is_patched", "keep_count", "kept_masks", "kept_positions", "merging_config",
+    "overlap_options", "patch", "supported_models", "unpatch", "visualize",
 ]
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .core.config import INDICATORS, REDUCTIONS, SELECTIONS, PruneConfig, default_stages, keep_count
+    from .core.patching import get_config, is_patched, kept_positions, patch, supported_models, unpatch
+    from .measure.baseline import fit_merging, merging_config
+    from .measure.budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
+    from .measure.flops import analytic_flops, count_flops
+    from .pictures.visualize import kept_masks, visualize
+
+    SUPPORTED_MODELS: tuple
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SUPPORTED_MODELS":  # model classes ``patch`` accepts, one per registered family
+        value = importlib.import_module(f"{__name__}.core.patching").supported_models()
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted([*globals(), *__all__])

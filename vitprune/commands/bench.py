@@ -25,15 +25,14 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import INDICATORS, SPREAD, PruneConfig
+from ..core.config import SPREAD, PruneConfig
 from ..core.grid import input_size
 from ..core.patching import check_model, patch
 from ..measure.flops import count_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
+from .parsers import DEFAULT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DEFAULT = "default"  # a setting with vitprune's defaults rather than the paper's method
-MODES = ("infer", "train")
 
 
 @dataclass(frozen=True)
@@ -251,52 +250,6 @@ def write_rows(rows: Sequence[Row], path: str) -> None:
         else:
             json.dump(records, out, indent=2)
             out.write("\n")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _stages(text: str) -> Tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}")
-
-
-def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    """Register ``bench`` and its options on the ``vitprune`` command."""
-    parser = subparsers.add_parser("bench", help="FLOPs, throughput and memory: pruned vs unpruned",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
-    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
-    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
-                        help="'default': vitprune's defaults; an indicator: the paper's method with it")
-    parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7])
-    parser.add_argument("--stages", nargs="+", type=_stages, default=None,
-                        help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: scaled (3,6,9))")
-    parser.add_argument("--overlap-strides", nargs="+", type=_positive_int, default=[],
-                        help="also run every setting with these patch-embedding strides")
-    parser.add_argument("--batch", type=_positive_int, default=32)
-    parser.add_argument("--img-size", type=_positive_int, default=None, help="square input size")
-    parser.add_argument("--mode", choices=MODES, default="infer",
-                        help="infer: forward only; train: forward + backward + optimizer step")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="bf16 runs under autocast")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="CPU threads (default: torch's)")
-    parser.add_argument("--compile", nargs="?", const="all", choices=("all", "both"), default=None,
-                        help="torch.compile every model ('all', the default when given), or time every "
-                             "setting eager and compiled ('both'), all against the eager unpruned model")
-    parser.add_argument("--rounds", type=_positive_int, default=7, help="timed rounds; the median is reported")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--out", default=None, help="also write the rows to this .json or .csv file")
-    parser.set_defaults(run=main)
-    return parser
 
 
 def validate(args: argparse.Namespace) -> Optional[str]:

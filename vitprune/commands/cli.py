@@ -1,26 +1,30 @@
-"""The ``vitprune`` command."""
+"""The ``vitprune`` command: parse (light, see ``parsers``), then import and run the subcommand."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
-from . import bench, demo, show
+from .. import __version__
+from .parsers import COMMANDS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitprune", description="Patch pruning for timm Vision Transformers.")
+    parser = argparse.ArgumentParser(prog="vitprune", description="Token reduction for timm Vision Transformers: "
+                                     "prune and merge patch tokens in place, measure what it buys.")
+    parser.add_argument("--version", action="version", version=f"vitprune {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo.add_parser(subparsers)
-    bench.add_parser(subparsers)
-    show.add_parser(subparsers)
+    for add in COMMANDS:
+        add(subparsers)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    command = importlib.import_module(f"{__package__}.{args.command}")
+    return command.main(args)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,14 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from ..core.config import INDICATORS
 from ..core.patching import patch
 from ..data.accuracy import accuracy
-from ..data.datasets import DATASETS, to_input
+from ..data.datasets import to_input
 from ..data.shipped import load_shipped, load_test_subset
 from ..measure.flops import analytic_flops
+from ..pictures import pyplot
 from .bench import time_interleaved
 
-DEFAULT_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 
 
 #: The paper's method, shown beside the defaults for each of its indicators.
@@ -63,10 +62,7 @@ def run_dataset(dataset: str, indicators: Sequence[str], keep_rates: Sequence[fl
 
 def plot(rows: Sequence[Dict[str, object]], path: str) -> None:
     """Accuracy against GFLOPs, one panel per dataset, one line per indicator."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    plt = pyplot(files_only=True)
 
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     figure, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
@@ -98,19 +94,6 @@ def format_rows(rows: Sequence[Dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("demo", help="prune the shipped models on shipped real data",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
-    parser.add_argument("--indicators", nargs="+", default=["var", "medad"],
-                        choices=INDICATORS)
-    parser.add_argument("--keep-rates", nargs="+", type=float, default=list(DEFAULT_KEEP_RATES))
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds for the speedup (median)")
-    parser.add_argument("--out", default="demo.png", help="where to write the plot (PNG)")
-    parser.set_defaults(run=main)
-    return parser
-
-
 def main(args: argparse.Namespace) -> int:
     bad = [rate for rate in args.keep_rates if not 0 < rate <= 1]
     if bad or args.rounds < 1 or not args.out.lower().endswith(".png"):
@@ -118,6 +101,11 @@ def main(args: argparse.Namespace) -> int:
                    f"--rounds must be >= 1, got {args.rounds}" if args.rounds < 1 else
                    f"--out must be a .png file, got {args.out!r}")
         print(f"vitprune demo: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        pyplot(files_only=True)  # before minutes of work, not after
+    except ImportError as error:
+        print(f"vitprune demo: error: {error}", file=sys.stderr)
         return 2
     rows: List[Dict[str, object]] = []
     for dataset in args.datasets:

@@ -9,8 +9,8 @@ from typing import Optional
 
 import timm
 
-from ..core.config import INDICATORS
 from ..core.patching import patch
+from ..pictures import pyplot
 from ..data.pictures import load_picture, prepare_greyscale, prepare_timm
 
 
@@ -31,31 +31,11 @@ def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool)
     return timm.create_model(name, pretrained=pretrained).eval(), prepare_timm
 
 
-def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("show", help="draw the patches a pruned model keeps in an image",
-                                   description=__doc__)
-    parser.add_argument("image", help="an image file (PNG, JPEG, ...)")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
-    source.add_argument("--checkpoint", default=None, help="a checkpoint of vitprune's own small ViTs")
-    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
-    parser.add_argument("--indicator", choices=INDICATORS, default="var")
-    parser.add_argument("--keep-rate", type=float, default=0.7)
-    parser.add_argument("--stages", type=lambda t: tuple(int(s) for s in t.split(",")), default=None,
-                        help="comma-separated block indices, e.g. 3,6,9")
-    parser.add_argument("--overlap-stride", type=int, default=None)
-    parser.add_argument("--out", default="kept.png", help="where to write the PNG")
-    parser.set_defaults(run=main)
-    return parser
-
-
 def main(args: argparse.Namespace) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")  # a command writes files; no window
     from ..pictures.visualize import visualize
 
     try:
+        pyplot(files_only=True)  # a command writes files: no window
         if not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must be a .png file, got {args.out!r}")
         picture = load_picture(args.image)
@@ -65,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
         x, display = prepare(model, picture)
         figure = visualize(model, x, display)
         figure.savefig(args.out, dpi=100)
-    except (FileNotFoundError, ValueError, TypeError) as error:
+    except (FileNotFoundError, ImportError, ValueError, TypeError) as error:
         print(f"vitprune show: error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")

@@ -9,6 +9,7 @@ import torch
 from timm.layers import AttentionPoolLatent
 from torch import nn
 
+from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
 from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection
 from .grid import num_patches
 from .overlap import apply_overlap, check_overlap, remove_overlap
@@ -182,7 +183,7 @@ def patch(
     exactly as it was. Patching a patched model replaces the previous patch. The
     defaults are the configuration our experiments found most accurate at equal FLOPs
     (bipartite matching, merging into the most similar kept token, size-aware
-    attention, every block; docs/method.md, "Defaults"); the paper's method is
+    attention, every block; docs/method.md §9); the paper's method is
     ``indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False``.
     Every keyword is a :class:`PruneConfig` field (see it for the accepted values) except
     ``generator``; one left out takes ``config``'s value, or ``PruneConfig``'s default.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 from pathlib import Path
@@ -35,8 +36,10 @@ def checkpoint_path(dataset: str) -> Path:
 
 def load_checkpoint(path: Path) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     """A checkpoint written by ``examples/train_small_vit.py``: the model (eval mode) and its record."""
-    # safe_globals: the first training runs stored torch.__version__ (a TorchVersion), not a str
-    with torch.serialization.safe_globals([torch.torch_version.TorchVersion]):
+    # the first training runs stored torch.__version__ (a TorchVersion), not a str; torch < 2.5
+    # has no safe_globals, and then only checkpoints that store a str load (the shipped ones do)
+    allow = getattr(torch.serialization, "safe_globals", None)
+    with allow([torch.torch_version.TorchVersion]) if allow else contextlib.nullcontext():
         record = torch.load(path, map_location="cpu", weights_only=True)
     model = build(record["dataset"])
     model.load_state_dict({k: v.float() for k, v in record["state_dict"].items()})

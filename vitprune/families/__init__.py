@@ -4,3 +4,5 @@ its pruning block classes, its patched model class and one ``register(Family(...
 and its import below."""
 
 from . import vit, eva, relpos  # noqa: F401  (each registers its family)
+
+__all__ = ["vit", "eva", "relpos"]

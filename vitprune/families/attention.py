@@ -43,7 +43,7 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
     if k.stride(3) == 1 and k.stride(1) == d:
         # (B, L, H * d) as it sits in memory, times a block-diagonal (B, H * d, H) of the
         # class queries: H times the minimal work, which is negligible, and no copy.
-        blocks = q_cls.unsqueeze(-1) * torch.eye(H, dtype=q.dtype, device=q.device).unsqueeze(1)
+        blocks = q_cls.unsqueeze(-1) * torch.eye(H, device=q.device).to(q.dtype).unsqueeze(1)
         logits = torch.bmm(k.transpose(1, 2).reshape(B, L, H * d), blocks.reshape(B, H * d, H))
         logits = logits.transpose(1, 2)
     else:
@@ -221,7 +221,7 @@ def parallel_scaling_with_row(
                       num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).reshape(B, L, C)
     x_mlp = block.mlp_drop(block.mlp_act(x_mlp))
-    if block.out_proj is not None:
+    if getattr(block, "out_proj", None) is not None:  # older timm (1.0.20) has only the split ones
         y = block.out_proj(torch.cat((out, x_mlp), dim=-1))
     else:
         y = block.attn_out_proj(out) + block.mlp_out_proj(x_mlp)

@@ -27,7 +27,14 @@ from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
 
-_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)  # torch < 2.3 has none
+
+def _dynamo_is_compiling() -> bool:  # torch < 2.3 has no torch.compiler.is_compiling
+    import torch._dynamo
+
+    return torch._dynamo.is_compiling()
+
+
+_is_compiling = getattr(torch.compiler, "is_compiling", None) or _dynamo_is_compiling
 
 #: The attribute ``forward_features`` sets on the features it returns: their token sizes.
 SIZES_ATTR = "_vitprune_sizes"

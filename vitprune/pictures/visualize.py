@@ -7,6 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from . import pyplot
 from ..core.patching import get_config, kept_positions, state_of
 
 
@@ -120,7 +121,7 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         A ``matplotlib.figure.Figure``: one row per image, one column for the input and one
         per stage ("after block b: k kept").
     """
-    import matplotlib.pyplot as plt  # the caller's backend: no switching under a notebook
+    plt = pyplot()  # the caller's backend: no switching under a notebook
 
     config = get_config(model)
     _check_stages(model)

@@ -1,0 +1,122 @@
+"""The ``vitprune`` command line: every subcommand's options, with their defaults and help.
+
+Light on purpose: it imports neither torch nor timm, so ``vitprune --help`` answers at
+once; a subcommand's module (and torch) is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Tuple
+
+from ..core.config import INDICATORS
+from ..data import DATASETS
+
+#: ``bench``/``eval`` setting name for vitprune's defaults (rather than the paper's method).
+DEFAULT = "default"
+#: What ``bench`` times.
+MODES = ("infer", "train")
+#: ``bench --dtype`` choices.
+DTYPE_NAMES = ("fp32", "bf16")
+#: ``demo``'s keep rates.
+DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Descriptions as written, and every option's default in its help."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def stage_list(text: str) -> Tuple[int, ...]:
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}") from None
+
+
+def _subparser(subparsers: "argparse._SubParsersAction", name: str, help: str, description: str
+               ) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
+    parser.set_defaults(command=name)
+    return parser
+
+
+def add_demo(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = _subparser(subparsers, "demo", "prune the shipped models on shipped real data", """\
+Prune the small ViTs that ship with vitprune on their shipped real test images. For each
+dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of vitprune's
+defaults (merging, size-aware attention) and of the paper's method (one fusion token) at
+several keep rates, then a plot of accuracy against GFLOPs. No download needed.""")
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS), help="which shipped models")
+    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=INDICATORS,
+                        help="the paper's method with these indicators, beside the defaults")
+    parser.add_argument("--keep-rates", nargs="+", type=float, default=list(DEMO_KEEP_RATES), help="keep rates to run")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds for the speedup (median)")
+    parser.add_argument("--out", default="demo.png", help="where to write the plot (PNG)")
+    return parser
+
+
+def add_bench(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = _subparser(subparsers, "bench", "FLOPs, throughput and memory: pruned vs unpruned", """\
+FLOPs, throughput and peak memory of pruned against unpruned, in one run. Every setting
+gets its own copy of the same model; after a warm-up the settings take turns (the order
+rotating each round) and the median time per step is reported, so machine noise hits all
+settings alike. Speed is a ratio to the unpruned model measured in the same run, next to
+the ideal ratio from the FLOP counts.""")
+    parser.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
+                        help="'default': vitprune's defaults; an indicator: the paper's method with it")
+    parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
+    parser.add_argument("--stages", nargs="+", type=stage_list, default=None,
+                        help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: each setting's own)")
+    parser.add_argument("--overlap-strides", nargs="+", type=positive_int, default=[],
+                        help="also run every setting with these patch-embedding strides")
+    parser.add_argument("--batch", type=positive_int, default=32, help="images per step")
+    parser.add_argument("--img-size", type=positive_int, default=None, help="square input size (default: the model's)")
+    parser.add_argument("--mode", choices=MODES, default="infer",
+                        help="infer: forward only; train: forward + backward + optimizer step")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32", help="bf16 runs under autocast")
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument("--compile", nargs="?", const="all", choices=("all", "both"), default=None,
+                        help="torch.compile every model ('all', the default when given), or time every "
+                             "setting eager and compiled ('both'), all against the eager unpruned model")
+    parser.add_argument("--rounds", type=positive_int, default=7, help="timed rounds; the median is reported")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--out", default=None, help="also write the rows to this .json or .csv file")
+    return parser
+
+
+def add_show(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = _subparser(subparsers, "show", "draw the patches a pruned model keeps in an image", """\
+Draw which patches a pruned model keeps in one image: the image, then one panel per
+stage with the pruned patches dimmed. Without --pretrained or --checkpoint the model has
+random weights, and what it keeps says nothing about the image.""")
+    parser.add_argument("image", help="an image file (PNG, JPEG, ...)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
+    source.add_argument("--checkpoint", default=None, help="a checkpoint of vitprune's own small ViTs")
+    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--indicator", choices=INDICATORS, default="var", help="what scores the patches")
+    parser.add_argument("--keep-rate", type=float, default=0.7, help="fraction of patches each stage keeps")
+    parser.add_argument("--stages", type=stage_list, default=None,
+                        help="comma-separated block indices, e.g. 3,6,9 (default: the paper's, scaled)")
+    parser.add_argument("--overlap-stride", type=int, default=None, help="patch-embedding stride (overlap)")
+    parser.add_argument("--out", default="kept.png", help="where to write the PNG")
+    return parser
+
+
+#: Every subcommand, in the order ``--help`` lists them.
+COMMANDS = (add_demo, add_bench, add_show)
