@@ -28,12 +28,13 @@ _EXPORTS = {
     "OverlapOption": "measure.budget", "fit_keep_rate": "measure.budget", "fit_overlap": "measure.budget",
     "overlap_options": "measure.budget",
     "analytic_flops": "measure.flops", "count_flops": "measure.flops",
+    "build_settings": "measure.evaluate", "evaluate": "measure.evaluate",
     "kept_masks": "pictures.visualize", "visualize": "pictures.visualize",
 }
 
 __all__ = [
     "INDICATORS", "OverlapOption", "PruneConfig", "REDUCTIONS", "SELECTIONS", "SUPPORTED_MODELS",
-    "analytic_flops", "count_flops", "default_stages", "fit_keep_rate", "fit_merging", "fit_overlap",
+    "analytic_flops", "build_settings", "count_flops", "default_stages", "evaluate", "fit_keep_rate", "fit_merging", "fit_overlap",
     "get_config", "is_patched", "keep_count", "kept_masks", "kept_positions", "merging_config",
     "overlap_options", "patch", "supported_models", "unpatch", "visualize",
 ]
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .core.patching import get_config, is_patched, kept_positions, patch, supported_models, unpatch
     from .measure.baseline import fit_merging, merging_config
     from .measure.budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
+    from .measure.evaluate import build_settings, evaluate
     from .measure.flops import analytic_flops, count_flops
     from .pictures.visualize import kept_masks, visualize
 

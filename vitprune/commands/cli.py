@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what the results files record as the command
     command = importlib.import_module(f"{__package__}.{args.command}")
     return command.main(args)
 

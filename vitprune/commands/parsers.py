@@ -118,5 +118,69 @@ random weights, and what it keeps says nothing about the image.""")
     return parser
 
 
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def stage_schedule(text: str):
+    """``spread``, ``all``, ``paper`` (the paper's 3 stages, scaled) or block indices ``3,6,9``."""
+    if text in ("spread", "all"):
+        return text
+    if text == "paper":
+        return None
+    return stage_list(text)
+
+
+def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+    parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model, unpruned and under
+every setting asked for, on an image-folder tree (one folder per class) or anything
+timm.data.create_dataset reads. Preprocessing is timm's own, from the model's pretrained
+config; every image is read once and goes through every setting; speed is measured in
+the same run, the settings taking turns on each batch.
+
+Example (ImageNet validation, a user's own copy):
+  vitprune eval --model deit_small_patch16_224 --pretrained --data-dir /data/imagenet/val \
+      --budgets 0.8 0.7 0.6 --indicators default var --baseline merge --out r.json --plot r.png""")
+    source = parser.add_argument_group("model (one of)")
+    source.add_argument("--model", default=None, help="a timm model name")
+    source.add_argument("--checkpoint", default=None,
+                        help="weights: a timm checkpoint for --model, or one of vitprune's own small models")
+    source.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --model")
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-dir", required=True, help="an image-folder tree (one folder per class)")
+    data.add_argument("--split", default="validation", help="sub-folder to use if it exists (timm's search)")
+    data.add_argument("--img-size", type=positive_int, default=None, help="square input size (default: the model's)")
+    data.add_argument("--batch-size", type=positive_int, default=64, help="images per batch")
+    data.add_argument("--workers", type=int, default=0, help="data-loading worker processes")
+    data.add_argument("--limit", type=positive_int, default=None,
+                      help="evaluate N images, evenly spread over the data (default: all)")
+    sweep = parser.add_argument_group("settings (every combination, plus the unpruned model)")
+    sweep.add_argument("--indicators", nargs="+", default=[DEFAULT], choices=(DEFAULT, *INDICATORS),
+                       help="'default': vitprune's defaults; an indicator: the paper's method with it")
+    sweep.add_argument("--keep-rates", nargs="*", type=fraction, default=None,
+                       help="keep rates (default: 0.7 when no --budgets)")
+    sweep.add_argument("--budgets", nargs="*", type=fraction, default=[],
+                       help="shares of the unpruned FLOPs; a keep rate is fitted to each")
+    sweep.add_argument("--stages", nargs="+", type=stage_schedule, default=None,
+                       help="schedules: spread, all, paper or block indices like 3,6,9 (default: each method's)")
+    sweep.add_argument("--reductions", nargs="+", choices=("merge", "fuse", "drop"), default=None,
+                       help="where removed tokens go (default: each method's)")
+    sweep.add_argument("--baseline", choices=("merge",), default=None,
+                       help="also token merging (ToMe's method) at the same FLOPs")
+    run = parser.add_argument_group("run")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
+    run.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPU, float16 on CUDA")
+    run.add_argument("--out", default=None, help="write the rows to this .json or .csv file")
+    run.add_argument("--plot", default=None, help="draw accuracy against GFLOPs to this .png")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
 #: Every subcommand, in the order ``--help`` lists them.
-COMMANDS = (add_demo, add_bench, add_show)
+COMMANDS = (add_demo, add_bench, add_show, add_eval)

@@ -4,31 +4,22 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Optional
 
-import timm
-
 from ..core.patching import patch
-from ..pictures import pyplot
+from ..data import models
 from ..data.pictures import load_picture, prepare_greyscale, prepare_timm
+from ..pictures import pyplot
 
 
 def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool):
-    """``(model, prepare)``: a timm model by name, or a checkpoint of vitprune's own models."""
+    """``(model, prepare, where its weights come from)``: a timm model by name, or a
+    checkpoint of vitprune's own models."""
     if checkpoint is not None:
-        from ..data.shipped import load_checkpoint
-
-        if not Path(checkpoint).is_file():
-            raise FileNotFoundError(f"no such checkpoint: {checkpoint}")
-        try:
-            model, _ = load_checkpoint(Path(checkpoint))
-        except Exception as error:  # a corrupt or foreign file: say which, not a traceback
-            raise ValueError(f"cannot load checkpoint {checkpoint}: {error}") from None
-        return model, prepare_greyscale
-    if not timm.is_model(name):
-        raise ValueError(f"unknown timm model {name!r}")
-    return timm.create_model(name, pretrained=pretrained).eval(), prepare_timm
+        model, _, source = models.load_model(None, checkpoint, False)
+        return model, prepare_greyscale, source
+    model, _, source = models.load_model(name, None, pretrained)
+    return model, prepare_timm, source
 
 
 def main(args: argparse.Namespace) -> int:
@@ -39,7 +30,10 @@ def main(args: argparse.Namespace) -> int:
         if not args.out.lower().endswith(".png"):
             raise ValueError(f"--out must be a .png file, got {args.out!r}")
         picture = load_picture(args.image)
-        model, prepare = load_model(args.model, args.checkpoint, args.pretrained)
+        model, prepare, source = load_model(args.model, args.checkpoint, args.pretrained)
+        if source == "random weights":
+            print(f"note: {args.model} has random weights (no --pretrained or --checkpoint): what it keeps says "
+                  "nothing about the image")
         patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
               overlap_stride=args.overlap_stride)
         x, display = prepare(model, picture)

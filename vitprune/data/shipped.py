@@ -11,7 +11,7 @@ from typing import Any, Dict, Tuple
 import timm
 import torch
 
-from .datasets import DATASETS
+from .datasets import DATASETS, MEAN, STD
 
 ASSETS = Path(__file__).parent.parent / "assets"  # vitprune/assets
 
@@ -77,3 +77,11 @@ def load_test_subset(dataset: str) -> Tuple[torch.Tensor, torch.Tensor]:
     with gzip.open(subset_path(dataset), "rb") as stream:
         record = torch.load(io.BytesIO(stream.read()), map_location="cpu", weights_only=True)
     return record["images"], record["labels"]
+
+
+def data_config(model: torch.nn.Module) -> Dict[str, Any]:
+    """timm's data config for one of vitprune's own models: greyscale at the model's size,
+    normalised like ``datasets.to_input``, no resizing or cropping of images of that size."""
+    height, width = (int(s) for s in model.patch_embed.img_size)
+    return {"input_size": (1, height, width), "interpolation": "bilinear", "mean": (MEAN,), "std": (STD,),
+            "crop_pct": 1.0, "crop_mode": "center"}

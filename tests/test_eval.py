@@ -1,0 +1,200 @@
+"""``vitprune eval`` and ``vitprune.measure.evaluate`` on image-folder trees written from real data."""
+
+import copy
+import csv
+import json
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import vitprune
+from vitprune.commands.cli import main
+from vitprune.data import folders
+from vitprune.data.accuracy import accuracy
+from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
+from vitprune.measure.evaluate import build_settings, evaluate
+from vitprune.pictures.frontier import pareto_front
+
+ASSET = str(checkpoint_path("fashion_mnist"))
+
+
+@pytest.fixture(scope="module")
+def fashion_tree(tmp_path_factory):
+    """The shipped Fashion-MNIST test subset as PNG files, one folder per class."""
+    root = tmp_path_factory.mktemp("fashion")
+    images, labels = load_test_subset("fashion_mnist")
+    for index, (image, label) in enumerate(zip(images, labels)):
+        folder = root / str(int(label))
+        folder.mkdir(exist_ok=True)
+        Image.fromarray(image.numpy(), mode="L").save(folder / f"{index:05d}.png")
+    return root
+
+
+@pytest.fixture
+def rgb_tree(tmp_path):
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        (tmp_path / f"class{c}").mkdir()
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (70, 90, 3), dtype=np.uint8)).save(tmp_path / f"class{c}" / f"{i}.jpg")
+    return tmp_path
+
+
+def test_eval_reports_the_same_top1_as_the_demo_computes(fashion_tree, tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree), "--keep-rates", "1.0", "0.7",
+                 "--batch-size", "256", "--no-progress", "--out", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    model, _ = load_shipped("fashion_mnist")
+    images, labels = load_test_subset("fashion_mnist")
+    for setting, rate in [("unpruned", None), ("default keep 1", 1.0), ("default keep 0.7", 0.7)]:
+        run = model if rate is None else vitprune.patch(copy.deepcopy(model), keep_rate=rate)
+        assert rows[setting]["top1"] == pytest.approx(100 * accuracy(run, images, labels), abs=1e-9), setting
+        assert rows[setting]["images"] == len(images)
+
+
+def test_the_unpruned_row_is_timms_own_validation(rgb_tree):
+    """The same images, transforms and labels as timm's own loader gives."""
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", num_classes=3).eval()
+    config = timm.data.resolve_data_config({}, model=model)
+    ours = folders.open_images(str(rgb_tree), "validation", config)
+    theirs = timm.data.create_dataset("", root=str(rgb_tree), split="validation")
+    loader = timm.data.create_loader(theirs, input_size=config["input_size"], batch_size=5, use_prefetcher=False,
+                                     interpolation=config["interpolation"], mean=config["mean"], std=config["std"],
+                                     crop_pct=config["crop_pct"], crop_mode=config["crop_mode"], num_workers=0,
+                                     persistent_workers=False, device=torch.device("cpu"))
+    expected_images, expected_labels = zip(*loader)
+    got_images, got_labels = zip(*folders.batches(ours, 5))
+    assert torch.equal(torch.cat(got_images), torch.cat(expected_images))
+    assert torch.equal(torch.cat(got_labels), torch.cat(expected_labels))
+    settings = build_settings(model, keep_rates=[0.5])
+    rows = evaluate(model, folders.batches(ours, 5), settings)
+    with torch.no_grad():
+        logits = model(torch.cat(expected_images))
+    assert rows[0].top1 == pytest.approx(100 * (logits.argmax(-1) == torch.cat(expected_labels)).float().mean().item())
+
+
+def test_a_random_timm_model_runs_on_a_small_rgb_tree_with_a_limit(rgb_tree, tmp_path, capsys):
+    out = tmp_path / "rows.csv"
+    plot = tmp_path / "front.png"
+    assert main(["eval", "--model", "deit_tiny_patch16_224", "--data-dir", str(rgb_tree), "--limit", "5",
+                 "--batch-size", "2", "--keep-rates", "0.7", "0.5", "--indicators", "default", "var",
+                 "--no-progress", "--out", str(out), "--plot", str(plot)]) == 0
+    text = capsys.readouterr().out
+    assert "random weights" in text and "var keep 0.5" in text
+    with open(out) as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["setting"] for r in rows] == ["unpruned", "default keep 0.7", "default keep 0.5", "var keep 0.7",
+                                            "var keep 0.5"]
+    for row in rows:
+        assert row["images"] == "5" and row["command"].startswith("vitprune eval --model deit_tiny_patch16_224")
+        assert row["torch_version"] == torch.__version__ and row["timm_version"] == timm.__version__
+        assert float(row["gflops"]) > 0 and float(row["images_per_s"]) > 0
+    assert float(rows[0]["speedup"]) == 1.0 and float(rows[4]["flops_share"]) < float(rows[1]["flops_share"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_rows_carry_the_schema(fashion_tree, tmp_path):
+    out = tmp_path / "rows.json"
+    assert main(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree), "--limit", "100", "--budgets",
+                 "0.7", "--indicators", "default", "var", "--baseline", "merge", "--no-progress", "--out",
+                 str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"].startswith("vitprune eval --checkpoint")
+    assert set(result["versions"]) == {"vitprune", "torch", "timm"}
+    keys = {"setting", "method", "keep_rate", "budget", "top1", "top5", "gflops", "flops_share", "images_per_s",
+            "speedup", "images"}
+    assert all(keys <= set(row) for row in result["rows"])
+    assert [r["method"] for r in result["rows"]] == ["unpruned", "default", "var", "merging"]
+    for row in result["rows"][1:]:  # each fitted to 70 % of the unpruned FLOPs, from below
+        assert row["budget"] == 0.7 and 0.6 < row["flops_share"] <= 0.7
+        assert 0 <= row["top1"] <= row["top5"] <= 100
+
+
+def test_every_image_is_read_once_however_many_settings(fashion_tree, monkeypatch):
+    model, _ = load_shipped("fashion_mnist")
+    dataset = folders.open_images(str(fashion_tree), "validation", data_config(model))
+    reads = []
+    original = type(dataset).__getitem__
+    monkeypatch.setattr(type(dataset), "__getitem__", lambda self, i: (reads.append(i), original(self, i))[1])
+    settings = build_settings(model, methods=["default", "var", "cls"], keep_rates=[0.9, 0.7, 0.5])
+    rows = evaluate(model, folders.batches(dataset, 64, limit=300), settings)
+    assert len(settings) == 10 and len(rows) == 10
+    assert sorted(reads) == folders.spread(len(dataset), 300) and len(set(reads)) == len(reads)
+
+
+def test_a_limit_samples_every_class(fashion_tree):
+    model, _ = load_shipped("fashion_mnist")
+    dataset = folders.open_images(str(fashion_tree), "validation", data_config(model))
+    labels = torch.cat([y for _, y in folders.batches(dataset, 100, limit=50)])
+    assert len(labels) == 50 and set(labels.tolist()) == set(range(10))
+
+
+def test_pareto_front_by_hand():
+    points = [(1.0, 80.0), (2.0, 85.0), (2.0, 84.0), (3.0, 84.5), (0.5, 70.0), (3.0, 90.0)]
+    assert pareto_front(points) == [4, 0, 1, 5]
+
+
+@pytest.fixture
+def bad(tmp_path, fashion_tree):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    broken = tmp_path / "broken" / "a"
+    broken.mkdir(parents=True)
+    for i in range(25):
+        (broken / f"{i}.png").write_text("not a png")
+    eleven = tmp_path / "eleven"
+    for c in range(11):
+        (eleven / str(c)).mkdir(parents=True)
+        Image.new("L", (28, 28)).save(eleven / str(c) / "x.png")
+    return tmp_path
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(d / "missing")], "no such data folder"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(d / "file.txt")], "no such data folder"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(d / "empty")], "holds no images"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(d / "broken")], "cannot read the images"),
+    (lambda d, f: ["--model", "no_such_vit", "--data-dir", str(f)], "unknown timm model 'no_such_vit'"),
+    (lambda d, f: ["--model", "deit_tiny_patch16_224", "--checkpoint", ASSET, "--data-dir", str(f)],
+     "does not fit deit_tiny_patch16_224"),
+    (lambda d, f: ["--checkpoint", str(d / "file.txt"), "--data-dir", str(f)], "cannot load checkpoint"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(d / "eleven")], "11 classes"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--stages", "99"], "stages"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--out", "rows.txt"], ".json or .csv"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--plot", "front.jpg"], ".png"),
+    (lambda d, f: ["--data-dir", str(f)], "name a model"),
+    (lambda d, f: ["--resnet", "--data-dir", str(f)], "unrecognized arguments"),
+])
+def test_bad_input_exits_2_with_one_line(bad, fashion_tree, arguments, message, capsys):
+    try:
+        code = main(["eval", *arguments(bad, fashion_tree), "--no-progress"])
+    except SystemExit as stop:  # argparse's own errors
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+
+
+def test_a_model_vitprune_cannot_patch_exits_2(rgb_tree, capsys):
+    assert main(["eval", "--model", "resnet18", "--data-dir", str(rgb_tree), "--no-progress"]) == 2
+    assert "cannot patch a timm.models.resnet.ResNet" in capsys.readouterr().err
+
+
+def test_pretrained_weights_without_network_fail_at_once(rgb_tree, monkeypatch, capsys):
+    import huggingface_hub.constants as constants
+
+    from vitprune.data import models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)  # restored afterwards
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setenv("HF_HOME", str(rgb_tree / "empty-cache"))
+    assert main(["eval", "--model", "deit_tiny_patch16_224", "--pretrained", "--data-dir", str(rgb_tree),
+                 "--no-progress"]) == 2
+    assert "cannot load pretrained weights for deit_tiny_patch16_224" in capsys.readouterr().err
+    assert constants.HF_HUB_OFFLINE is True
