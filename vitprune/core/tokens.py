@@ -45,9 +45,19 @@ def descending_order(values: torch.Tensor) -> torch.Tensor:
     return values.detach().sort(dim=1, descending=True, stable=True).indices
 
 
+def flat_index(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``(B, m)`` indices into ``n`` tokens per image as ``(B * m,)`` rows of the ``(B * n, C)`` batch."""
+    return (index + torch.arange(index.shape[0], device=index.device).unsqueeze(1) * n).reshape(-1)
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[b, index[b]]`` for every image: ``(B, n, C)`` and ``(B, m)`` give ``(B, m, C)``."""
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    """``x[b, index[b]]`` for every image: ``(B, n, C)`` and ``(B, m)`` give ``(B, m, C)``.
+
+    One row selection over the flattened batch (``index_select``), which reads whole token
+    rows: several times faster on CPU than ``gather`` with an index expanded over channels.
+    """
+    B, n, C = x.shape
+    return x.reshape(B * n, C).index_select(0, flat_index(index, n)).view(B, index.shape[1], C)
 
 
 def fusion_weights(scores: torch.Tensor, T: float) -> torch.Tensor:
