@@ -22,6 +22,7 @@ from ..data.datasets import to_input
 from ..data.shipped import load_shipped, load_test_subset
 from ..measure.flops import analytic_flops
 from ..pictures import pyplot
+from ..pictures.frontier import draw_frontier
 from .bench import time_interleaved
 
 
@@ -69,28 +70,13 @@ def run_dataset(dataset: str, indicators: Sequence[str], keep_rates: Sequence[fl
 
 
 def plot(rows: Sequence[Dict[str, object]], path: str) -> None:
-    """Accuracy against GFLOPs, one panel per dataset, one line per indicator."""
-    plt = pyplot(files_only=True)
-
+    """Accuracy against GFLOPs, one panel per dataset, one line per method (``draw_frontier``)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
-    figure, axes = plt.subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4), squeeze=False)
+    figure, axes = pyplot(files_only=True).subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.2),
+                                                     squeeze=False)
     for axis, dataset in zip(axes[0], datasets):
-        subset = [r for r in rows if r["dataset"] == dataset]
-        base = next(r for r in subset if r["indicator"] == "unpruned")
-        for method in dict.fromkeys(r["method"] for r in subset if r["method"] != "unpruned"):
-            line = sorted((r for r in subset if r["method"] == method), key=lambda r: r["gflops"])
-            axis.plot([r["gflops"] for r in line] + [base["gflops"]],
-                      [100 * r["accuracy"] for r in line] + [100 * base["accuracy"]], marker="o", label=method)
-            for r in line:  # each point's keep rate
-                axis.annotate(f"{r['keep_rate']:g}", (r["gflops"], 100 * r["accuracy"]), textcoords="offset points",
-                              xytext=(3, 3), fontsize=7)
-        axis.plot([base["gflops"]], [100 * base["accuracy"]], marker="*", markersize=14, color="black",
-                  linestyle="none", label="unpruned")
-        axis.set_xlabel("GFLOPs per image")
-        axis.set_ylabel("top-1 accuracy (%)")
-        axis.set_title(f"{dataset} ({base['images']} test images)")
-        axis.grid(alpha=0.3)
-        axis.legend()
+        subset = [{**r, "top1": 100 * r["accuracy"], "budget": None} for r in rows if r["dataset"] == dataset]
+        draw_frontier(subset, f"{dataset} ({subset[0]['images']} test images)", axis=axis)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 

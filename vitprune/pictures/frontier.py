@@ -37,10 +37,14 @@ def line_name(row: Dict[str, Any]) -> str:
     return " ".join(w for w in words if not w.endswith("%") and w != "FLOPs")
 
 
-def draw_frontier(rows: Sequence[Dict[str, Any]], title: str, metric: str = "top1"):
-    """A ``matplotlib`` figure of ``rows`` (``vitprune.measure.evaluate.Row`` dicts)."""
-    plt = pyplot()
-    figure, axis = plt.subplots(figsize=(6.5, 4.5))
+def draw_frontier(rows: Sequence[Dict[str, Any]], title: str, metric: str = "top1", axis: Any = None):
+    """A ``matplotlib`` figure of ``rows`` (``vitprune.measure.evaluate.Row`` dicts: ``setting``,
+    ``method``, ``keep_rate``, ``budget``, ``gflops`` and ``metric`` in percent); drawn into
+    ``axis`` when given (and its figure returned)."""
+    if axis is None:
+        figure, axis = pyplot().subplots(figsize=(6.5, 4.5))
+    else:
+        figure = axis.figure
     lines: Dict[str, List[Dict[str, Any]]] = {}
     for row in rows:
         if row["method"] != "unpruned":
