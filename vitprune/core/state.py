@@ -123,7 +123,7 @@ class PruneState:
 
         Returns:
             With ``size_aware``, once a stage has reduced: ``log(size)`` per token
-            (:func:`~vitprune.merging.size_bias`); else ``None``.
+            (:func:`~vitprune.core.merging.size_bias`); else ``None``.
         """
         if stage == 0:  # a fresh object, not reads of the last forward's: no torch.compile guards on them
             self._local.records = ForwardRecords()
