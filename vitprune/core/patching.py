@@ -6,20 +6,14 @@ import dataclasses
 from typing import Any, List, NoReturn, Optional, Sequence, Union
 
 import torch
-from timm.layers import AttentionPoolLatent
 from torch import nn
 
 from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
 from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection
-from .grid import num_patches
 from .overlap import apply_overlap, check_overlap, remove_overlap
 from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, is_patched_model, is_pruning_block,
                        original_block_class, original_model_class)
 from .state import PruneState
-
-#: Pooling modes for which a reduced token is harmless: token and none read only prefix
-#: tokens; avg and avgmax weight tokens by patch count; map weights its attention the same.
-SUPPORTED_POOLS = ("token", "", "avg", "avgmax", "max", "map")
 
 MODEL_ATTR = "vitprune_state"
 _OPTIONS = tuple(f.name for f in dataclasses.fields(PruneConfig))
@@ -40,21 +34,11 @@ def check_model(model: nn.Module) -> Family:
         kind = original_model_class(model)
         reason = REFUSED.get(kind.__name__)
         why = f": {reason}" if reason else ""
-        names = ", ".join(f"timm {f.model.__name__}" for f in families())
-        examples = "; ".join(f.examples for f in families() if f.examples)
+        names = ", ".join(f"{f.library} {f.model.__name__}" for f in families())
+        examples = "; ".join(dict.fromkeys(f.examples for f in families() if f.examples))
         raise TypeError(f"vitprune cannot patch a {kind.__module__}.{kind.__name__}{why}; supported: {names} "
                         f"({examples})")
-    if model.global_pool not in SUPPORTED_POOLS:
-        raise TypeError(
-            f"vitprune supports global_pool in {SUPPORTED_POOLS}, got {model.global_pool!r}: "
-            "this pooling would treat the fusion token as a single patch"
-        )
-    attn_pool = getattr(model, "attn_pool", None)
-    if attn_pool is not None and (type(attn_pool) is not AttentionPoolLatent or attn_pool.pos_embed is not None):
-        raise TypeError(
-            f"vitprune supports attention pooling by timm's AttentionPoolLatent without a position "
-            f"embedding (global_pool='map'), got {type(attn_pool).__name__}: its input must stay a full grid"
-        )
+    family.check(model)
     return family
 
 
@@ -77,7 +61,7 @@ def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
 def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
     """Raise ``TypeError`` unless every block to swap, and the attention it runs, are known exactly."""
     for index, (number, _) in plan.items():
-        block = model.blocks[index]
+        block = family.blocks_of(model)[index]
         original = original_block_class(block)
         if original not in family.blocks:
             known = ", ".join(cls.__name__ for cls in family.blocks)
@@ -98,7 +82,7 @@ def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
     if config.indicator not in HEAD_SPREAD_INDICATORS:
         return
     for index in config.stages:
-        heads = family.heads(model.blocks[index])
+        heads = family.heads(family.blocks_of(model)[index])
         if heads < 2:
             raise ValueError(
                 f"indicator={config.indicator!r} measures how attention heads disagree, but block {index} "
@@ -107,15 +91,10 @@ def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
             )
 
 
-def _patch_count(model: nn.Module, config: PruneConfig) -> Optional[int]:
+def _patch_count(model: nn.Module, family: Family, config: PruneConfig) -> Optional[int]:
     """Patch tokens at the model's own input size (after ``overlap_stride``), for the
-    ``"spread"`` schedule; ``None`` when the embedding does not say."""
-    if config.stages != SPREAD:
-        return None
-    try:
-        return num_patches(model, None, config.overlap_stride)
-    except (AttributeError, TypeError):
-        return int(model.patch_embed.num_patches)
+    ``"spread"`` schedule; ``None`` for other schedules."""
+    return family.patches_of(model, config.overlap_stride) if config.stages == SPREAD else None
 
 
 def check_options(options: "dict[str, Any]") -> None:
@@ -231,8 +210,9 @@ def patch(
         indicator=indicator, keep_rate=keep_rate, stages=stages, T=T, selection=selection, reduction=reduction,
         size_aware=size_aware, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
     family = check_model(model)
-    cfg = cfg.resolve(len(model.blocks), _patch_count(model, cfg))
-    plan = _swap_plan(family, len(model.blocks), cfg.stages, cfg.size_aware)
+    blocks = family.blocks_of(model)
+    cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
+    plan = _swap_plan(family, len(blocks), cfg.stages, cfg.size_aware)
     _check_blocks(model, family, plan)
     _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
@@ -246,14 +226,14 @@ def patch(
         check_overlap(model, cfg.overlap_stride, None if previous is None else previous.overlap)
 
     unpatch(model)
-    source = "cls" if getattr(model, "cls_token", None) is not None else "mean"
-    state = PruneState(cfg, model.num_prefix_tokens, gen, row_source=source)
+    source = "cls" if family.class_token_of(model) else "mean"
+    state = PruneState(cfg, family.prefix_of(model), gen, row_source=source)
     if cfg.overlap_stride is not None:
         state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
     model.__class__ = family.patched
     for index, (number, follow) in plan.items():
-        block = model.blocks[index]
+        block = blocks[index]
         block.__class__ = family.blocks[type(block)]
         block.vitprune_state = state
         block.vitprune_stage = number

@@ -4,10 +4,54 @@ families are refused. ``patching`` reads only this registry."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from torch import nn
+
+
+def timm_blocks(model: nn.Module) -> nn.ModuleList:
+    """A timm ViT's transformer blocks."""
+    return model.blocks
+
+
+def timm_prefix(model: nn.Module) -> int:
+    """Tokens before the patches in a timm ViT (class, distillation, registers)."""
+    return model.num_prefix_tokens
+
+
+def timm_class_token(model: nn.Module) -> bool:
+    return getattr(model, "cls_token", None) is not None
+
+
+def timm_check(model: nn.Module) -> None:
+    """Refuse the timm pooling modes a reduced token would mislead (``TypeError``)."""
+    from timm.layers import AttentionPoolLatent
+
+    pools = ("token", "", "avg", "avgmax", "max", "map")
+    if model.global_pool not in pools:
+        raise TypeError(
+            f"vitprune supports global_pool in {pools}, got {model.global_pool!r}: "
+            "this pooling would treat the fusion token as a single patch"
+        )
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is not None and (type(attn_pool) is not AttentionPoolLatent or attn_pool.pos_embed is not None):
+        raise TypeError(
+            f"vitprune supports attention pooling by timm's AttentionPoolLatent without a position "
+            f"embedding (global_pool='map'), got {type(attn_pool).__name__}: its input must stay a full grid"
+        )
+
+
+def timm_patches(model: nn.Module, stride: Optional[int]) -> int:
+    """Patch tokens at the model's own input size (with ``stride`` for overlapping patches)."""
+    from .grid import num_patches
+
+    try:
+        return num_patches(model, None, stride)
+    except (AttributeError, TypeError):
+        return int(model.patch_embed.num_patches)
 
 
 def own_attention(block: nn.Module) -> Dict[str, nn.Module]:
@@ -26,7 +70,8 @@ class Family:
 
     Attributes:
         model: The model class, matched exactly.
-        patched: The subclass a patched model has (pooling by token size, intermediates).
+        patched: The subclass a patched model has (pooling by token size, intermediates), or
+            the model class itself where nothing at model level changes.
         blocks: Block class -> its pruning subclass, for the blocks this family swaps.
         attention: The attention classes the pruning blocks know how to run.
         follows: Whether every block from the first stage on is swapped, because each
@@ -39,6 +84,15 @@ class Family:
         heads: How many heads the scored attention row of a block has.
         overlap: Whether ``overlap_stride`` applies (an absolute position embedding).
         examples: Model names users know the family by, for messages.
+        blocks_of: Where the model keeps its transformer blocks (a ``ModuleList``).
+        prefix_of: How many tokens precede the patches (never reduced).
+        patches_of: Patch tokens at the model's own input size, given an ``overlap_stride``
+            (or ``None``), for the ``"spread"`` schedule.
+        class_token_of: Whether token 0 is a class token (its attention row is scored);
+            otherwise the mean attention each patch receives is.
+        check: Raises ``TypeError`` for a model of this class that cannot be patched
+            (a pooling that a reduced token would mislead, say).
+        library: The library the family comes from, for messages.
     """
 
     model: type
@@ -51,6 +105,12 @@ class Family:
     heads: Callable[[nn.Module], int] = attention_heads
     overlap: bool = False
     examples: str = ""
+    blocks_of: Callable[[nn.Module], nn.ModuleList] = timm_blocks
+    prefix_of: Callable[[nn.Module], int] = timm_prefix
+    class_token_of: Callable[[nn.Module], bool] = timm_class_token
+    patches_of: Callable[[nn.Module, Optional[int]], int] = timm_patches
+    check: Callable[[nn.Module], None] = timm_check
+    library: str = "timm"
 
 
 #: Attributes ``patch`` adds to a block it swaps; ``unpatch`` deletes exactly these.
@@ -91,9 +151,20 @@ def families() -> Tuple[Family, ...]:
     return tuple(_FAMILIES.values())
 
 
+#: Family modules registered on first need, by the module prefix of the model classes they
+#: serve, so ``import vitprune`` (and patching a timm model) never imports those libraries.
+LAZY_FAMILIES = {"transformers.": "vitprune.families.hf"}
+
+
 def family_of(model: nn.Module) -> Optional[Family]:
     """The family of ``model`` (patched or not), or ``None`` when it has none."""
-    return _FAMILIES.get(type(model)) or _PATCHED.get(type(model))
+    found = _FAMILIES.get(type(model)) or _PATCHED.get(type(model))
+    if found is None:
+        for prefix, module in LAZY_FAMILIES.items():
+            if type(model).__module__.startswith(prefix) and module not in sys.modules:
+                importlib.import_module(module)
+                return family_of(model)
+    return found
 
 
 def original_model_class(model: nn.Module) -> type:

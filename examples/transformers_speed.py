@@ -1,0 +1,53 @@
+"""Speed of vitprune's defaults at keep 0.7 on Hugging Face ``transformers`` ViTs (random
+weights, base size, 224 x 224), against the unpruned model in the same run (interleaved,
+median), one row per class; the README's transformers rows.
+
+    python examples/transformers_speed.py --batch 8 --rounds 11
+"""
+
+import argparse
+import copy
+
+import torch
+import transformers as T
+
+import vitprune
+from vitprune.commands.bench import time_interleaved
+
+BASE = dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+            intermediate_size=3072)
+MODELS = {
+    "ViTForImageClassification": lambda: T.ViTForImageClassification(T.ViTConfig(**BASE)),
+    "DeiTForImageClassificationWithTeacher": lambda: T.DeiTForImageClassificationWithTeacher(T.DeiTConfig(**BASE)),
+    "Dinov2ForImageClassification": lambda: T.Dinov2ForImageClassification(T.Dinov2Config(**BASE)),
+    "Dinov2WithRegistersModel": lambda: T.Dinov2WithRegistersModel(T.Dinov2WithRegistersConfig(**BASE)),
+    "CLIPVisionModelWithProjection": lambda: T.CLIPVisionModelWithProjection(T.CLIPVisionConfig(**BASE)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--keep-rate", type=float, default=0.7)
+    args = parser.parse_args()
+    x = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    print(f"transformers {T.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"batch {args.batch}, keep {args.keep_rate}, median of {args.rounds} interleaved rounds")
+    for name, make in MODELS.items():
+        torch.manual_seed(0)
+        model = make().eval()
+        pruned = vitprune.patch(copy.deepcopy(model), keep_rate=args.keep_rate)
+
+        def step(m):
+            def run():
+                with torch.inference_mode():
+                    m(x)
+            return run
+        seconds = time_interleaved({"unpruned": step(model), "pruned": step(pruned)}, args.rounds, warmup=2,
+                                   sync=lambda: None, progress=False)
+        print(f"{name:<40} speedup {seconds['unpruned'] / seconds['pruned']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The same one line for Hugging Face ``transformers`` ViTs, on tiny random configs (no download)."""
+
+import copy
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+_release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+if _release < (5, 24):
+    pytest.skip(f"vitprune supports transformers >= 5.24, found {transformers.__version__}", allow_module_level=True)
+
+import vitprune  # noqa: E402
+from conftest import assert_same, snapshot  # noqa: E402
+from vitprune.core.config import token_counts  # noqa: E402
+
+T = transformers
+SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+             intermediate_size=64)
+PATCHES = (32 // 8) ** 2
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+#: name -> (config, model class, prefix tokens)
+MODELS = {
+    "ViTModel": (lambda: T.ViTConfig(**SIZES), T.ViTModel, 1),
+    "ViTForImageClassification": (lambda: T.ViTConfig(**SIZES, num_labels=3), T.ViTForImageClassification, 1),
+    "DeiTModel": (lambda: T.DeiTConfig(**SIZES), T.DeiTModel, 2),
+    "DeiTForImageClassification": (lambda: T.DeiTConfig(**SIZES, num_labels=3), T.DeiTForImageClassification, 2),
+    "DeiTForImageClassificationWithTeacher": (lambda: T.DeiTConfig(**SIZES, num_labels=3),
+                                              T.DeiTForImageClassificationWithTeacher, 2),
+    "Dinov2Model": (lambda: T.Dinov2Config(**SIZES), T.Dinov2Model, 1),
+    "Dinov2ForImageClassification": (lambda: T.Dinov2Config(**SIZES, num_labels=3), T.Dinov2ForImageClassification, 1),
+    "Dinov2WithRegistersModel": (lambda: T.Dinov2WithRegistersConfig(**SIZES, num_register_tokens=2),
+                                 T.Dinov2WithRegistersModel, 3),
+    "Dinov2WithRegistersForImageClassification": (
+        lambda: T.Dinov2WithRegistersConfig(**SIZES, num_register_tokens=2, num_labels=3),
+        T.Dinov2WithRegistersForImageClassification, 3),
+    "CLIPVisionModel": (lambda: T.CLIPVisionConfig(**SIZES), T.CLIPVisionModel, 1),
+    "CLIPVisionModelWithProjection": (lambda: T.CLIPVisionConfig(**SIZES, projection_dim=16),
+                                      T.CLIPVisionModelWithProjection, 1),
+}
+
+
+def build(name, attn_implementation="sdpa"):
+    make_config, cls, _ = MODELS[name]
+    config = make_config()
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def images(batch=2, seed=1):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def main_output(outputs):
+    """The tensor a user reads: logits, projected embeddings, or the pooled output."""
+    for key in ("logits", "image_embeds", "pooler_output"):
+        if getattr(outputs, key, None) is not None:
+            return getattr(outputs, key)
+    return outputs.last_hidden_state
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_nothing_pruned_equals_the_unpatched_model(name, attn_implementation):
+    model, x = build(name, attn_implementation), images()
+    with torch.no_grad():
+        expected = main_output(model(x))
+        vitprune.patch(model, keep_rate=1.0)
+        got = main_output(model(x))
+    assert vitprune.is_patched(model)
+    torch.testing.assert_close(got, expected, **({} if attn_implementation == "sdpa" else dict(rtol=1e-5, atol=1e-6)))
+
+
+@pytest.mark.parametrize("options", [dict(keep_rate=0.7), dict(indicator="var", keep_rate=0.7, stages=(1, 2),
+                                                                selection="top", reduction="fuse", size_aware=False)],
+                         ids=["defaults", "paper"])
+@pytest.mark.parametrize("name", MODELS)
+def test_pruning_keeps_the_schedules_token_counts_and_unpatch_restores_everything(name, options):
+    model, x = build(name), images()
+    with torch.no_grad():
+        expected = main_output(model(pixel_values=x, output_hidden_states=True))  # transformers sets its own
+        before = snapshot(model)                                                  # attributes on a first call
+        vitprune.patch(model, **options)
+        outputs = model(pixel_values=x, output_hidden_states=True)
+    config = vitprune.get_config(model)
+    counts = token_counts(config.keep_rate, config.stages, 4, PATCHES, config.reduction == "fuse")
+    assert [p.shape[1] for p in vitprune.kept_positions(model)] == [counts[s] for s in config.stages]
+    prefix = MODELS[name][2]
+    assert [h.shape[1] - prefix for h in outputs.hidden_states[1:]] == list(counts)
+    assert main_output(outputs).shape == expected.shape and torch.isfinite(main_output(outputs)).all()
+    vitprune.unpatch(model)
+    assert_same(before, snapshot(model))
+    with torch.no_grad():
+        assert torch.equal(main_output(model(x)), expected)
+
+
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "Dinov2WithRegistersForImageClassification"])
+def test_patched_models_save_load_and_copy(name):
+    model, x = vitprune.patch(build(name), keep_rate=0.6), images()
+    keys = set(build(name).state_dict())
+    assert set(model.state_dict()) == keys
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        expected = main_output(model(x))
+        for other in (loaded, copy.deepcopy(model)):
+            assert torch.equal(main_output(other(x)), expected)
+    fresh = vitprune.patch(build(name), keep_rate=0.6)
+    fresh.load_state_dict(model.state_dict())
+
+
+def test_dinov2_classifier_averages_patch_tokens_by_size():
+    model, x = vitprune.patch(build("Dinov2ForImageClassification"), keep_rate=0.5), images()
+    seen = {}
+    model.dinov2.register_forward_hook(lambda m, args, out: seen.update(tokens=out.last_hidden_state))
+    model.classifier.register_forward_pre_hook(lambda m, args: seen.update(inputs=args[0]))
+    with torch.no_grad():
+        model(x)
+    tokens, sizes = seen["tokens"], model.vitprune_state.sizes
+    assert (sizes != 1).any()
+    weighted = (tokens[:, 1:] * sizes.unsqueeze(-1)).sum(1) / sizes.sum(1, keepdim=True)
+    torch.testing.assert_close(seen["inputs"], torch.cat([tokens[:, 0], weighted], dim=1))
+
+
+def test_auto_classes_resolve_to_supported_models():
+    torch.manual_seed(0)
+    model = T.AutoModelForImageClassification.from_config(T.ViTConfig(**SIZES, num_labels=3)).eval()
+    vitprune.patch(model, keep_rate=0.7)
+    with torch.no_grad():
+        assert model(images()).logits.shape == (2, 3)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(keep_rate=2.0), ValueError, r"keep_rate must be in \(0, 1\]"),
+    (dict(overlap_stride=4), TypeError, "overlap_stride is supported for VisionTransformer models only"),
+    (dict(stages=(9,)), ValueError, "stages"),
+    (dict(colour="red"), TypeError, r"unknown option\(s\) \['colour'\]"),
+])
+def test_bad_options_are_refused_before_the_model_changes(options, error, match):
+    model = build("ViTForImageClassification")
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        vitprune.patch(model, **options)
+    assert_same(before, snapshot(model))
+
+
+def test_unsupported_transformers_models_are_refused_with_the_reason():
+    model = T.SiglipVisionModel(T.SiglipVisionConfig(**SIZES))
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="SiglipVisionModel: it has no class token"):
+        vitprune.patch(model)
+    assert_same(before, snapshot(model))
+
+
+def test_attention_masks_are_refused_after_pruning_starts():
+    model = vitprune.patch(build("ViTModel"), keep_rate=0.5)
+    mask = torch.ones(2, PATCHES + 1)
+    mask[:, -1] = 0  # an all-ones mask is dropped by transformers itself
+    with pytest.raises(ValueError, match="cannot apply attn_mask"):
+        model(images(), attention_mask=mask)
+
+
+def test_a_plain_trainer_fine_tunes_a_patched_model(tmp_path):
+    pytest.importorskip("accelerate")
+    spec = importlib.util.spec_from_file_location("finetune_transformers", EXAMPLES / "finetune_transformers.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    metrics = example.main(["--steps", "3", "--limit", "160", "--out", str(tmp_path)])
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and torch.isfinite(torch.tensor(metrics["eval_loss"]))

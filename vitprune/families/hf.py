@@ -1,0 +1,221 @@
+"""Hugging Face ``transformers`` ViTs (transformers 5): ViT, DeiT (with the distillation
+token), DINOv2 (with registers) and the CLIP vision tower, patched like timm's.
+
+Registered the first time ``patch`` meets a ``transformers`` model (``registry.LAZY_FAMILIES``),
+so ``import vitprune`` never imports ``transformers``. Every layer from the first stage on is
+swapped for a subclass that runs the attention through vitprune's path (fused
+``scaled_dot_product_attention`` unless the model's ``attn_implementation`` is ``"eager"``:
+``"flash_attention_2"`` and others run as SDPA there), adds the size bias, and reduces the
+tokens between attention and MLP; the layer's own submodules, parameters and hooks are
+kept, so ``output_hidden_states`` returns every layer's tokens (fewer after each stage).
+Attention weights of the swapped layers are not recorded (``output_attentions`` holds those
+of the layers before the first stage only).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import ImageClassifierOutput
+from transformers.models.clip.modeling_clip import (CLIPAttention, CLIPEncoderLayer, CLIPVisionModel,
+                                                    CLIPVisionModelWithProjection)
+from transformers.models.deit.modeling_deit import (DeiTAttention, DeiTForImageClassification,
+                                                    DeiTForImageClassificationWithTeacher, DeiTLayer, DeiTModel)
+from transformers.models.dinov2.modeling_dinov2 import (Dinov2Attention, Dinov2ForImageClassification, Dinov2Layer,
+                                                        Dinov2Model)
+from transformers.models.dinov2_with_registers.modeling_dinov2_with_registers import (
+    Dinov2WithRegistersAttention, Dinov2WithRegistersForImageClassification, Dinov2WithRegistersLayer,
+    Dinov2WithRegistersModel)
+from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassification, ViTLayer, ViTModel
+
+from ..core.registry import REFUSED, Family, register
+from ..core.state import Scored
+from .attention import attend, split_heads
+from .layouts import PruningBlock, refuse_masks
+from .pooling import size_weighted_mean
+
+
+class _Dropout:
+    """What ``attend`` needs of a dropout: its rate, whether it is active, and applying it."""
+
+    def __init__(self, p: float, training: bool) -> None:
+        self.p, self.training = p, training
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, self.training)
+
+
+def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
+                          bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
+    """A ``transformers`` attention module (``q_proj``/``k_proj``/``v_proj`` and ``o_proj`` or
+    ``out_proj``) through vitprune's path, and what the reduction step needs."""
+    heads = getattr(attn, "num_attention_heads", None) or attn.num_heads
+    q, k, v = (split_heads(proj(x), heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    scale = getattr(attn, "scaling", None) or attn.scale
+    p = getattr(attn, "attention_dropout", None)
+    p = attn.dropout if p is None else p
+    fused = attn.config._attn_implementation != "eager"
+    out, scored = attend(q, k, v, scale=scale, fused=fused, attn_drop=_Dropout(p, attn.training),
+                         num_prefix=num_prefix, source=source, bias=bias)
+    out = out.transpose(1, 2).flatten(2)
+    project = getattr(attn, "o_proj", None) or attn.out_proj
+    return project(out), scored
+
+
+#: Per layer class: (first norm, attention, layer scale 1, dropout, second norm, MLP, layer scale 2).
+_NAMES = {
+    ViTLayer: ("layernorm_before", "attention", None, "dropout", "layernorm_after", "mlp", None),
+    DeiTLayer: ("layernorm_before", "attention", None, "dropout", "layernorm_after", "mlp", None),
+    Dinov2Layer: ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
+    Dinov2WithRegistersLayer: ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
+    CLIPEncoderLayer: ("layer_norm1", "self_attn", None, None, "layer_norm2", "mlp", None),
+}
+
+
+class _HFLayer(PruningBlock):
+    """A ``transformers`` pre-norm layer from the first stage on: ``x + drop(scale(attn(norm1(x))))``,
+    reduce, ``x + drop(scale(mlp(norm2(x))))``, with its own submodules."""
+
+    _vitprune_names: Tuple[Optional[str], ...]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                **kwargs: Any) -> torch.Tensor:
+        refuse_masks(attention_mask, False)
+        norm1, attention, scale1, drop, norm2, mlp, scale2 = self._vitprune_names
+        state, x = self.vitprune_state, hidden_states
+        bias = self._vitprune_begin(x)
+        out, scored = hf_attention_with_row(getattr(self, attention), getattr(self, norm1)(x), state.num_prefix,
+                                            state.row_source, bias)
+        x = self._vitprune_reduce(x + self._vitprune_branch(out, scale1, drop), scored)
+        return x + self._vitprune_branch(getattr(self, mlp)(getattr(self, norm2)(x)), scale2, drop)
+
+    def _vitprune_branch(self, out: torch.Tensor, scale: Optional[str], drop: Optional[str]) -> torch.Tensor:
+        if scale is not None:
+            out = getattr(self, scale)(out)
+        return out if drop is None else getattr(self, drop)(out)
+
+
+def _layer_class(original: type) -> type:
+    return type(f"Prune{original.__name__}", (_HFLayer, original),
+                {"_vitprune_names": _NAMES[original], "__module__": __name__,
+                 "__doc__": f"transformers ``{original.__name__}`` from the first stage on."})
+
+
+PruneViTLayer = _layer_class(ViTLayer)
+PruneDeiTLayer = _layer_class(DeiTLayer)
+PruneDinov2Layer = _layer_class(Dinov2Layer)
+PruneDinov2WithRegistersLayer = _layer_class(Dinov2WithRegistersLayer)
+PruneCLIPEncoderLayer = _layer_class(CLIPEncoderLayer)
+_LAYERS = {ViTLayer: PruneViTLayer, DeiTLayer: PruneDeiTLayer, Dinov2Layer: PruneDinov2Layer,
+           Dinov2WithRegistersLayer: PruneDinov2WithRegistersLayer, CLIPEncoderLayer: PruneCLIPEncoderLayer}
+_ATTENTION = (ViTAttention, DeiTAttention, Dinov2Attention, Dinov2WithRegistersAttention, CLIPAttention)
+
+
+def _layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of transformer layers (wherever the wrapper keeps it)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and all(isinstance(m, tuple(_LAYERS)) for m in module):
+            return module
+    raise TypeError(f"found no transformer layers in this {type(model).__name__}")
+
+
+def _attention(layer: nn.Module) -> Dict[str, nn.Module]:
+    name = "self_attn" if hasattr(layer, "self_attn") else "attention"
+    return {name: getattr(layer, name)}
+
+
+def _heads(layer: nn.Module) -> int:
+    attn = next(iter(_attention(layer).values()))
+    return getattr(attn, "num_attention_heads", None) or attn.num_heads
+
+
+def _patches(model: nn.Module, stride: Optional[int]) -> int:
+    config = model.config
+    config = getattr(config, "vision_config", config)
+    return (config.image_size // config.patch_size) ** 2
+
+
+#: The transformers release these layouts were written and tested for.
+MINIMUM_TRANSFORMERS = "5.24"
+
+
+def _check(model: nn.Module) -> None:
+    """Refuse layers of another layout (older transformers split the attention differently).
+    The heads need nothing: they read the class (and distillation) token, or weight their
+    patch average by token size (DINOv2's classifier, below)."""
+    import transformers
+
+    attn = next(iter(_attention(_layers(model)[0]).values()))
+    if not all(hasattr(attn, name) for name in ("q_proj", "k_proj", "v_proj")):
+        raise TypeError(f"vitprune supports transformers >= {MINIMUM_TRANSFORMERS} (attention with q_proj, "
+                        f"k_proj, v_proj); this is transformers {transformers.__version__}")
+
+
+def _prefix(extra: int = 0):
+    def prefix(model: nn.Module) -> int:
+        config = getattr(model.config, "vision_config", model.config)
+        return 1 + extra + int(getattr(config, "num_register_tokens", 0) or 0)
+    return prefix
+
+
+def _model_class(original: type, body: Optional[type] = None) -> type:
+    """The class a patched model has: its own, unless it pools patch tokens itself (DINOv2's
+    classifier below). Keeping the class matters: ``transformers`` finds what it may record
+    for ``output_hidden_states`` by the model's class name."""
+    if body is None:
+        return original
+    return type(f"Prune{original.__name__}", (body, original),
+                {"__module__": __name__, "__doc__": f"transformers ``{original.__name__}`` while patched."})
+
+
+class _Dinov2Classifier:
+    """DINOv2's classifier reads the class token and the mean of the patch tokens: the mean
+    is weighted by how many patches each token stands for, as in timm's average pooling."""
+
+    def forward(self, pixel_values: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> ImageClassifierOutput:
+        backbone = getattr(self, self.base_model_prefix)
+        outputs = backbone(pixel_values, attention_mask=attention_mask, **kwargs)
+        tokens = outputs.last_hidden_state
+        prefix = self.vitprune_state.num_prefix
+        patches = tokens[:, prefix:]
+        sizes = self.vitprune_state.sizes
+        if sizes is not None and sizes.shape == patches.shape[:2]:
+            mean = size_weighted_mean(patches, sizes)
+        else:
+            mean = patches.mean(dim=1)
+        logits = self.classifier(torch.cat([tokens[:, 0], mean], dim=1))
+        loss = None if labels is None else self.loss_function(labels, logits, self.config, **kwargs)
+        return ImageClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions)
+
+
+REFUSED.update({
+    "SiglipVisionModel": "it has no class token and its head pools every token by attention; vitprune does "
+                         "not yet weight that pooling by how many patches each token stands for",
+    "SiglipModel": "patch its vision tower (a SiglipVisionModel) instead; that is not supported yet either",
+    "CLIPModel": "patch its vision tower instead: vitprune.patch(model.vision_model, ...)",
+})
+
+_MODELS = [
+    (ViTModel, None, _prefix()), (ViTForImageClassification, None, _prefix()),
+    (DeiTModel, None, _prefix(1)), (DeiTForImageClassification, None, _prefix(1)),
+    (DeiTForImageClassificationWithTeacher, None, _prefix(1)),
+    (Dinov2Model, None, _prefix()), (Dinov2ForImageClassification, _Dinov2Classifier, _prefix()),
+    (Dinov2WithRegistersModel, None, _prefix()),
+    (Dinov2WithRegistersForImageClassification, _Dinov2Classifier, _prefix()),
+    (CLIPVisionModel, None, _prefix()), (CLIPVisionModelWithProjection, None, _prefix()),
+]
+PATCHED = {}
+for _original, _body, _prefix_of in _MODELS:
+    PATCHED[_original] = _model_class(_original, _body)
+    if _body is not None:
+        globals()[PATCHED[_original].__name__] = PATCHED[_original]  # importable by name: pickle finds it
+    register(Family(
+        model=_original, patched=PATCHED[_original], blocks=_LAYERS, attention=_ATTENTION, follows=True,
+        attention_modules=_attention, heads=_heads, blocks_of=_layers, prefix_of=_prefix_of,
+        class_token_of=lambda model: True, patches_of=_patches, check=_check, library="transformers",
+        examples="ViT, DeiT, DINOv2, CLIP vision in transformers"))
