@@ -22,6 +22,7 @@ MODELS = {
     "Dinov2ForImageClassification": lambda: T.Dinov2ForImageClassification(T.Dinov2Config(**BASE)),
     "Dinov2WithRegistersModel": lambda: T.Dinov2WithRegistersModel(T.Dinov2WithRegistersConfig(**BASE)),
     "CLIPVisionModelWithProjection": lambda: T.CLIPVisionModelWithProjection(T.CLIPVisionConfig(**BASE)),
+    "SiglipVisionModel": lambda: T.SiglipVisionModel(T.SiglipVisionConfig(**BASE)),
 }
 
 

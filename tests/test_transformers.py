@@ -41,6 +41,7 @@ MODELS = {
     "CLIPVisionModel": (lambda: T.CLIPVisionConfig(**SIZES), T.CLIPVisionModel, 1),
     "CLIPVisionModelWithProjection": (lambda: T.CLIPVisionConfig(**SIZES, projection_dim=16),
                                       T.CLIPVisionModelWithProjection, 1),
+    "SiglipVisionModel (attention-pool head)": (lambda: T.SiglipVisionConfig(**SIZES), T.SiglipVisionModel, 0),
 }
 
 
@@ -152,11 +153,26 @@ def test_bad_options_are_refused_before_the_model_changes(options, error, match)
 
 
 def test_unsupported_transformers_models_are_refused_with_the_reason():
-    model = T.SiglipVisionModel(T.SiglipVisionConfig(**SIZES))
+    model = T.CLIPModel(T.CLIPConfig(vision_config=SIZES, text_config=dict(hidden_size=32, num_hidden_layers=1,
+                                                                           num_attention_heads=4,
+                                                                           intermediate_size=64)))
     before = snapshot(model)
-    with pytest.raises(TypeError, match="SiglipVisionModel: it has no class token"):
+    with pytest.raises(TypeError, match="CLIPModel: patch its vision tower"):
         vitprune.patch(model)
     assert_same(before, snapshot(model))
+
+
+def test_siglip_head_weights_a_merged_token_as_its_repeated_patches():
+    model = vitprune.patch(build("SiglipVisionModel (attention-pool head)"), keep_rate=0.7)
+    head = model.head
+    tokens = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(3))
+    model.vitprune_state.records.sizes = torch.tensor([[2.0, 1, 1, 3, 1], [1.0, 1, 1, 1, 1]])
+    repeats = [tokens[0].repeat_interleave(torch.tensor([2, 1, 1, 3, 1]), dim=0), tokens[1]]
+    with torch.no_grad():
+        got = head(tokens)
+        model.vitprune_state.records.sizes = None
+        expected = [head(r.unsqueeze(0))[0] for r in repeats]
+    torch.testing.assert_close(got, torch.stack(expected), rtol=1e-5, atol=1e-6)
 
 
 def test_attention_masks_are_refused_after_pruning_starts():

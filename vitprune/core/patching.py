@@ -232,12 +232,12 @@ def patch(
         state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
     model.__class__ = family.patched
-    for index, (number, follow) in plan.items():
-        block = blocks[index]
-        block.__class__ = family.blocks[type(block)]
-        block.vitprune_state = state
-        block.vitprune_stage = number
-        block.vitprune_follow = follow
+    swaps = [(blocks[index], number, follow) for index, (number, follow) in plan.items()]
+    for module, number, follow in swaps + [(extra, None, None) for extra in family.extras(model)]:
+        module.__class__ = family.blocks[type(module)]
+        module.vitprune_state = state
+        module.vitprune_stage = number
+        module.vitprune_follow = follow
     return model
 
 

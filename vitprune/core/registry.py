@@ -54,6 +54,10 @@ def timm_patches(model: nn.Module, stride: Optional[int]) -> int:
         return int(model.patch_embed.num_patches)
 
 
+def no_extras(model: nn.Module) -> "list[nn.Module]":
+    return []
+
+
 def own_attention(block: nn.Module) -> Dict[str, nn.Module]:
     """The attention a block runs through vitprune: its ``attn``."""
     return {"attn": block.attn}
@@ -90,6 +94,9 @@ class Family:
             (or ``None``), for the ``"spread"`` schedule.
         class_token_of: Whether token 0 is a class token (its attention row is scored);
             otherwise the mean attention each patch receives is.
+        extras: Modules besides the blocks that ``patch`` swaps (a pooling head that must
+            weight tokens by size); their classes are keys of ``blocks`` too, and they carry
+            the state but no stage.
         check: Raises ``TypeError`` for a model of this class that cannot be patched
             (a pooling that a reduced token would mislead, say).
         library: The library the family comes from, for messages.
@@ -110,6 +117,7 @@ class Family:
     class_token_of: Callable[[nn.Module], bool] = timm_class_token
     patches_of: Callable[[nn.Module, Optional[int]], int] = timm_patches
     check: Callable[[nn.Module], None] = timm_check
+    extras: Callable[[nn.Module], "list[nn.Module]"] = no_extras
     library: str = "timm"
 
 

@@ -29,9 +29,11 @@ from transformers.models.dinov2.modeling_dinov2 import (Dinov2Attention, Dinov2F
 from transformers.models.dinov2_with_registers.modeling_dinov2_with_registers import (
     Dinov2WithRegistersAttention, Dinov2WithRegistersForImageClassification, Dinov2WithRegistersLayer,
     Dinov2WithRegistersModel)
+from transformers.models.siglip.modeling_siglip import (SiglipAttention, SiglipEncoderLayer,
+                                                        SiglipMultiheadAttentionPoolingHead, SiglipVisionModel)
 from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassification, ViTLayer, ViTModel
 
-from ..core.registry import REFUSED, Family, register
+from ..core.registry import REFUSED, Family, no_extras, register
 from ..core.state import Scored
 from .attention import attend, split_heads
 from .layouts import PruningBlock, refuse_masks
@@ -72,6 +74,7 @@ _NAMES = {
     Dinov2Layer: ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
     Dinov2WithRegistersLayer: ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
     CLIPEncoderLayer: ("layer_norm1", "self_attn", None, None, "layer_norm2", "mlp", None),
+    SiglipEncoderLayer: ("layer_norm1", "self_attn", None, None, "layer_norm2", "mlp", None),
 }
 
 
@@ -109,9 +112,29 @@ PruneDeiTLayer = _layer_class(DeiTLayer)
 PruneDinov2Layer = _layer_class(Dinov2Layer)
 PruneDinov2WithRegistersLayer = _layer_class(Dinov2WithRegistersLayer)
 PruneCLIPEncoderLayer = _layer_class(CLIPEncoderLayer)
+PruneSiglipEncoderLayer = _layer_class(SiglipEncoderLayer)
 _LAYERS = {ViTLayer: PruneViTLayer, DeiTLayer: PruneDeiTLayer, Dinov2Layer: PruneDinov2Layer,
-           Dinov2WithRegistersLayer: PruneDinov2WithRegistersLayer, CLIPEncoderLayer: PruneCLIPEncoderLayer}
-_ATTENTION = (ViTAttention, DeiTAttention, Dinov2Attention, Dinov2WithRegistersAttention, CLIPAttention)
+           Dinov2WithRegistersLayer: PruneDinov2WithRegistersLayer, CLIPEncoderLayer: PruneCLIPEncoderLayer,
+           SiglipEncoderLayer: PruneSiglipEncoderLayer}
+_ATTENTION = (ViTAttention, DeiTAttention, Dinov2Attention, Dinov2WithRegistersAttention, CLIPAttention,
+              SiglipAttention)
+
+
+class PruneSiglipMultiheadAttentionPoolingHead(PruningBlock, SiglipMultiheadAttentionPoolingHead):
+    """SigLIP's attention-pooling head while patched: each token's attention logit gets
+    ``+log(size)``, which equals attending to it repeated ``size`` times (as timm's ``map``)."""
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        B, L = hidden_state.shape[:2]
+        sizes = self.vitprune_state.sizes
+        mask = None
+        if sizes is not None and sizes.shape == (B, L):
+            heads = self.attention.num_heads
+            mask = sizes.log().to(hidden_state.dtype)[:, None, :].repeat_interleave(heads, dim=0)  # (B * heads, 1, L)
+        probe = self.probe.repeat(B, 1, 1)
+        out = self.attention(probe, hidden_state, hidden_state, attn_mask=mask)[0]
+        out = out + self.mlp(self.layernorm(out))
+        return out[:, 0]
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:
@@ -194,9 +217,7 @@ class _Dinov2Classifier:
 
 
 REFUSED.update({
-    "SiglipVisionModel": "it has no class token and its head pools every token by attention; vitprune does "
-                         "not yet weight that pooling by how many patches each token stands for",
-    "SiglipModel": "patch its vision tower (a SiglipVisionModel) instead; that is not supported yet either",
+    "SiglipModel": "patch its vision tower instead: vitprune.patch(model.vision_model, ...)",
     "CLIPModel": "patch its vision tower instead: vitprune.patch(model.vision_model, ...)",
 })
 
@@ -208,14 +229,23 @@ _MODELS = [
     (Dinov2WithRegistersModel, None, _prefix()),
     (Dinov2WithRegistersForImageClassification, _Dinov2Classifier, _prefix()),
     (CLIPVisionModel, None, _prefix()), (CLIPVisionModelWithProjection, None, _prefix()),
+    (SiglipVisionModel, None, lambda model: 0),
 ]
+
+
+def _siglip_head(model: nn.Module) -> "list[nn.Module]":
+    head = getattr(model, "head", None)
+    return [head] if isinstance(head, SiglipMultiheadAttentionPoolingHead) else []
 PATCHED = {}
 for _original, _body, _prefix_of in _MODELS:
     PATCHED[_original] = _model_class(_original, _body)
     if _body is not None:
         globals()[PATCHED[_original].__name__] = PATCHED[_original]  # importable by name: pickle finds it
+    siglip = _original is SiglipVisionModel
     register(Family(
-        model=_original, patched=PATCHED[_original], blocks=_LAYERS, attention=_ATTENTION, follows=True,
-        attention_modules=_attention, heads=_heads, blocks_of=_layers, prefix_of=_prefix_of,
-        class_token_of=lambda model: True, patches_of=_patches, check=_check, library="transformers",
-        examples="ViT, DeiT, DINOv2, CLIP vision in transformers"))
+        model=_original, patched=PATCHED[_original],
+        blocks={**_LAYERS, SiglipMultiheadAttentionPoolingHead: PruneSiglipMultiheadAttentionPoolingHead},
+        attention=_ATTENTION, follows=True, attention_modules=_attention, heads=_heads, blocks_of=_layers,
+        prefix_of=_prefix_of, class_token_of=(lambda model: False) if siglip else (lambda model: True),
+        patches_of=_patches, check=_check, extras=_siglip_head if siglip else no_extras, library="transformers",
+        examples="ViT, DeiT, DINOv2, CLIP and SigLIP vision in transformers"))
