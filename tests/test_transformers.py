@@ -190,3 +190,17 @@ def test_a_plain_trainer_fine_tunes_a_patched_model(tmp_path):
     spec.loader.exec_module(example)
     metrics = example.main(["--steps", "3", "--limit", "160", "--out", str(tmp_path)])
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and torch.isfinite(torch.tensor(metrics["eval_loss"]))
+
+
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "Dinov2Model", "CLIPVisionModel",
+                                  "SiglipVisionModel (attention-pool head)"])
+def test_interpolate_pos_encoding_keeps_working(name):
+    model = build(name)
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = main_output(model(x, interpolate_pos_encoding=True))
+        vitprune.patch(model, keep_rate=1.0)
+        torch.testing.assert_close(main_output(model(x, interpolate_pos_encoding=True)), expected)
+        vitprune.patch(model, keep_rate=0.5)
+        got = main_output(model(pixel_values=x, interpolate_pos_encoding=True))
+    assert got.shape == expected.shape and vitprune.kept_positions(model)[0].shape[1] < (48 // 8) ** 2
