@@ -50,11 +50,21 @@ class _Dropout:
         return F.dropout(x, self.p, self.training)
 
 
+def _num_heads(attn: nn.Module) -> int:
+    """Heads of a ``transformers`` attention module (``num_attention_heads`` or ``num_heads``)."""
+    return getattr(attn, "num_attention_heads", None) or attn.num_heads
+
+
+def _vision_config(model: nn.Module) -> Any:
+    """The model's vision config (its own config for a vision-only model)."""
+    return getattr(model.config, "vision_config", model.config)
+
+
 def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
                           bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
     """A ``transformers`` attention module (``q_proj``/``k_proj``/``v_proj`` and ``o_proj`` or
     ``out_proj``) through vitprune's path, and what the reduction step needs."""
-    heads = getattr(attn, "num_attention_heads", None) or attn.num_heads
+    heads = _num_heads(attn)
     q, k, v = (split_heads(proj(x), heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
     scale = getattr(attn, "scaling", None) or attn.scale
     p = getattr(attn, "attention_dropout", None)
@@ -151,13 +161,11 @@ def _attention(layer: nn.Module) -> Dict[str, nn.Module]:
 
 
 def _heads(layer: nn.Module) -> int:
-    attn = next(iter(_attention(layer).values()))
-    return getattr(attn, "num_attention_heads", None) or attn.num_heads
+    return _num_heads(next(iter(_attention(layer).values())))
 
 
 def _patches(model: nn.Module, stride: Optional[int]) -> int:
-    config = model.config
-    config = getattr(config, "vision_config", config)
+    config = _vision_config(model)
     return (config.image_size // config.patch_size) ** 2
 
 
@@ -179,7 +187,7 @@ def _check(model: nn.Module) -> None:
 
 def _prefix(extra: int = 0):
     def prefix(model: nn.Module) -> int:
-        config = getattr(model.config, "vision_config", model.config)
+        config = _vision_config(model)
         return 1 + extra + int(getattr(config, "num_register_tokens", 0) or 0)
     return prefix
 

@@ -109,6 +109,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
             raise ValueError(f"a {what} must be in (0, 1], got {value!r}")
     check_model(model)
     unpruned = gflops_of(model, img_size)
+    scratch = copy.deepcopy(model)  # patched again for each check: patch replaces the previous patch
     settings = [Setting("unpruned", "unpruned")]
     for method in methods:
         base = {} if method == DEFAULT else dict(indicator=method, **PAPER_OPTIONS)
@@ -130,13 +131,13 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
                                             {**options, "keep_rate": rate}))
     if baseline:
         targets = [(f"{share:.0%} FLOPs", share, share * unpruned) for share in budgets]
-        targets += [(f"at default keep {rate:g}", None, gflops_of(patch(copy.deepcopy(model), keep_rate=rate), img_size))
+        targets += [(f"at default keep {rate:g}", None, gflops_of(patch(scratch, keep_rate=rate), img_size))
                     for rate in keep_rates]
         for text, share, gflops in targets:
             config = fit_merging(model, gflops, img_size) if gflops < unpruned else merging_config(model, 0, img_size)
             settings.append(Setting(f"{MERGING} {text}", MERGING, None, share, {"config": config}))
     for setting in settings[1:]:  # what patch would refuse, refused now
-        _patched(model, setting)
+        _apply(scratch, setting)
     return settings
 
 
@@ -144,13 +145,13 @@ def _stage_text(schedule: Any) -> str:
     return schedule if isinstance(schedule, str) else ",".join(str(s) for s in schedule)
 
 
-def _patched(model: nn.Module, setting: Setting) -> nn.Module:
-    copied = copy.deepcopy(model)
+def _apply(model: nn.Module, setting: Setting) -> nn.Module:
+    """``model`` patched as ``setting`` says (left as it is for the unpruned setting)."""
     if setting.options is None:
-        return copied
+        return model
     options = dict(setting.options)
     config = options.pop("config", None)
-    return patch(copied, config, **options)
+    return patch(model, config, **options)
 
 
 def _top_k(logits: torch.Tensor, labels: torch.Tensor, k: int) -> int:
@@ -180,7 +181,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
     device = torch.device(device)
-    models = [_patched(model, s).to(device).eval() for s in settings]
+    models = [_apply(copy.deepcopy(model), s).to(device).eval() for s in settings]
     gflops = [gflops_of(m, img_size) for m in models]
     top1 = [0] * len(models)
     top5 = [0] * len(models)
