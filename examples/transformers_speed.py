@@ -1,6 +1,7 @@
 """Speed of vitprune's defaults at keep 0.7 on Hugging Face ``transformers`` ViTs (random
 weights, base size, 224 x 224), against the unpruned model in the same run (interleaved,
-median), one row per class; the README's transformers rows.
+median), one row per class, beside the ideal ratio from the analytic FLOP counts; the
+README's transformers rows.
 
     python examples/transformers_speed.py --batch 8 --rounds 11
 """
@@ -47,7 +48,9 @@ def main() -> None:
             return run
         seconds = time_interleaved({"unpruned": step(model), "pruned": step(pruned)}, args.rounds, warmup=2,
                                    sync=lambda: None, progress=False)
-        print(f"{name:<40} speedup {seconds['unpruned'] / seconds['pruned']:.2f}x")
+        speedup = seconds["unpruned"] / seconds["pruned"]
+        ideal = vitprune.analytic_flops(model) / vitprune.analytic_flops(pruned)
+        print(f"{name:<40} speedup {speedup:.2f}x  FLOP ratio {ideal:.2f}x  ({speedup / ideal:.0%} of it)")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from tqdm.auto import tqdm
 from ..core.config import SPREAD, PruneConfig
 from ..core.grid import input_size
 from ..core.patching import check_model, patch
+from ..data.hf_models import is_transformers_name, load_transformers_model
 from ..measure.flops import count_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
+from ..measure.outputs import main_tensor
 from .parsers import DEFAULT
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -101,16 +103,21 @@ def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
 
 
 def build_model(name: str, setting: Setting, device: str, seed: int = 0, **model_kwargs) -> torch.nn.Module:
-    """A timm model (random weights unless ``pretrained=True`` is passed), patched per ``setting``."""
-    torch.manual_seed(seed)
-    model = timm.create_model(name, **model_kwargs).to(device)
+    """A timm model, or ``hf:NAME_OR_FOLDER`` for a ``transformers`` one (random weights
+    unless ``pretrained=True`` is passed), patched per ``setting``."""
+    if is_transformers_name(name):
+        model = load_transformers_model(name, model_kwargs.get("pretrained", False), seed)[0].to(device)
+    else:
+        torch.manual_seed(seed)
+        model = timm.create_model(name, **model_kwargs).to(device)
     config = setting.config()
     return model if config is None else patch(model, config)
 
 
 def make_step(model: torch.nn.Module, x: torch.Tensor, mode: str, dtype: torch.dtype,
               compiled: bool = False) -> Callable[[], None]:
-    """One inference forward, or one training step (forward, backward, optimizer step)."""
+    """One inference forward, or one training step (forward, backward, optimizer step; the
+    loss is cross-entropy against fixed random labels over the model's outputs)."""
     device_type = x.device.type
     autocast = functools.partial(torch.autocast, device_type, dtype=dtype, enabled=dtype != torch.float32)
     runner = torch.compile(model) if compiled else model
@@ -124,12 +131,16 @@ def make_step(model: torch.nn.Module, x: torch.Tensor, mode: str, dtype: torch.d
 
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    labels = torch.randint(0, model.num_classes, (x.shape[0],), generator=torch.Generator().manual_seed(0))
-    labels = labels.to(x.device)
+    labels: List[torch.Tensor] = []  # drawn at the first step, once the number of outputs is known
 
     def train_step() -> None:
         with autocast():
-            loss = F.cross_entropy(runner(x), labels)
+            out = main_tensor(runner(x))
+            out = out.mean(dim=1) if out.dim() == 3 else out  # a backbone's tokens: their mean
+            if not labels:
+                drawn = torch.randint(0, out.shape[-1], (x.shape[0],), generator=torch.Generator().manual_seed(0))
+                labels.append(drawn.to(x.device))
+            loss = F.cross_entropy(out, labels[0])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -254,7 +265,10 @@ def write_rows(rows: Sequence[Row], path: str) -> None:
 
 def validate(args: argparse.Namespace) -> Optional[str]:
     """What is wrong with the options, or ``None``; checked before anything is built."""
-    if args.model not in timm.list_models() and not timm.is_model(args.model):
+    if is_transformers_name(args.model):
+        if args.img_size:
+            return f"--img-size does not apply to {args.model}: a transformers model runs at its config's image size"
+    elif args.model not in timm.list_models() and not timm.is_model(args.model):
         return f"unknown timm model {args.model!r}"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available"
@@ -278,7 +292,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         rows = run(args)
-    except (TypeError, ValueError) as error:  # e.g. a model vitprune cannot patch, a stage out of range
+    except (ImportError, TypeError, ValueError) as error:  # e.g. a model vitprune cannot patch, a stage out of range
         print(f"vitprune bench: error: {error}", file=sys.stderr)
         return 2
     print(format_table(rows))

@@ -16,6 +16,7 @@ import torch
 
 from .. import __version__
 from ..data.folders import batches, class_names, open_images
+from ..data.hf_models import is_transformers_name, preprocessing_note
 from ..data.models import load_model
 from ..measure.evaluate import Row, build_settings, evaluate
 
@@ -39,6 +40,23 @@ def problem_with(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def head_outputs(model: torch.nn.Module) -> Optional[int]:
+    """How many classes the model scores (``None`` when it does not say).
+
+    Raises:
+        TypeError: A ``transformers`` model that is not an image classifier (no logits).
+    """
+    if hasattr(model, "num_classes"):
+        return int(model.num_classes)
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if "ForImageClassification" not in type(model).__name__:
+        raise TypeError(f"vitprune eval measures accuracy, so it needs an image classifier (a ...ForImageClassification "
+                        f"model); {type(model).__name__} returns no logits")
+    return int(config.num_labels)
+
+
 def format_table(rows: Sequence[Row], heading: str) -> str:
     lines = [heading, f"{'setting':<32}{'top-1':>8}{'top-5':>8}{'GFLOPs':>9}{'FLOPs':>8}{'img/s':>9}{'speedup':>9}"]
     for r in rows:
@@ -47,11 +65,21 @@ def format_table(rows: Sequence[Row], heading: str) -> str:
     return "\n".join(lines)
 
 
+def versions(model: Optional[str]) -> Dict[str, str]:
+    """The versions the results depend on (``transformers`` too for an ``hf:`` model)."""
+    found = {"vitprune": __version__, "torch": torch.__version__, "timm": timm.__version__}
+    if is_transformers_name(model):
+        import transformers
+
+        found["transformers"] = transformers.__version__
+    return found
+
+
 def record(rows: Sequence[Row], args: argparse.Namespace, source: str) -> Dict[str, Any]:
     """The results with what produced them: the command, the versions, the model and data."""
     return {
         "command": " ".join(shlex.quote(a) for a in ["vitprune", *getattr(args, "argv", sys.argv[1:])]),
-        "versions": {"vitprune": __version__, "torch": torch.__version__, "timm": timm.__version__},
+        "versions": versions(args.model),
         "model": args.model or args.checkpoint, "weights": source, "data_dir": args.data_dir,
         "device": args.device, "amp": args.amp, "rows": [r.as_dict() for r in rows],
     }
@@ -87,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
         model, config, source = load_model(args.model, args.checkpoint, args.pretrained, args.img_size)
         dataset = open_images(args.data_dir, args.split, config)
         classes = class_names(dataset)
-        outputs = getattr(model, "num_classes", None)
+        outputs = head_outputs(model)
         if classes and outputs and len(classes) > outputs:
             return fail(f"the data has {len(classes)} classes ({args.data_dir}) but the model's head has only "
                         f"{outputs} outputs")
@@ -98,6 +126,9 @@ def main(args: argparse.Namespace) -> int:
         return fail(str(error))
     if source == "random weights":
         print(f"note: {args.model} has random weights (no --pretrained or --checkpoint): accuracy is chance level")
+    note = preprocessing_note(config)
+    if note:
+        print(f"note: {note}")
     if classes and outputs and len(classes) < outputs:
         print(f"note: the data has {len(classes)} classes, the head {outputs} outputs; labels are the sorted "
               f"folder indices 0-{len(classes) - 1}, which mean something only if they are the head's classes")

@@ -72,8 +72,9 @@ gets its own copy of the same model; after a warm-up the settings take turns (th
 rotating each round) and the median time per step is reported, so machine noise hits all
 settings alike. Speed is a ratio to the unpruned model measured in the same run, next to
 the ideal ratio from the FLOP counts.""")
-    parser.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
-    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--model", default="deit_small_patch16_224",
+                        help="a timm model name, or hf:ID_OR_FOLDER for a transformers one")
+    parser.add_argument("--pretrained", action="store_true", help="load its pretrained weights (must be cached)")
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
                         help="'default': vitprune's defaults; an indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
@@ -106,9 +107,10 @@ stage with the pruned patches dimmed. Without --pretrained or --checkpoint the m
 random weights, and what it keeps says nothing about the image.""")
     parser.add_argument("image", help="an image file (PNG, JPEG, ...)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default="deit_small_patch16_224", help="a timm model name")
+    source.add_argument("--model", default="deit_small_patch16_224",
+                        help="a timm model name, or hf:ID_OR_FOLDER for a transformers one")
     source.add_argument("--checkpoint", default=None, help="a checkpoint of vitprune's own small ViTs")
-    parser.add_argument("--pretrained", action="store_true", help="load timm's weights (must be cached)")
+    parser.add_argument("--pretrained", action="store_true", help="load its pretrained weights (must be cached)")
     parser.add_argument("--indicator", choices=INDICATORS, default="var", help="what scores the patches")
     parser.add_argument("--keep-rate", type=float, default=0.7, help="fraction of patches each stage keeps")
     parser.add_argument("--stages", type=stage_list, default=None,
@@ -138,20 +140,23 @@ def stage_schedule(text: str):
 
 
 def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model, unpruned and under
-every setting asked for, on an image-folder tree (one folder per class) or anything
-timm.data.create_dataset reads. Preprocessing is timm's own, from the model's pretrained
-config; every image is read once and goes through every setting; speed is measured in
-the same run, the settings taking turns on each batch.
+    parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model (or a transformers
+image classifier, --model hf:ID_OR_FOLDER), unpruned and under every setting asked for, on
+an image-folder tree (one folder per class) or anything timm.data.create_dataset reads.
+Preprocessing is the model's own: timm's pretrained config, or the transformers image
+processor's resize, crop and normalisation run by timm's transforms. Every image is read
+once and goes through every setting; speed is measured in the same run, the settings
+taking turns on each batch.
 
 Example (ImageNet validation, a user's own copy):
   vitprune eval --model deit_small_patch16_224 --pretrained --data-dir /data/imagenet/val \
       --budgets 0.8 0.7 0.6 --indicators default var --baseline merge --out r.json --plot r.png""")
     source = parser.add_argument_group("model (one of)")
-    source.add_argument("--model", default=None, help="a timm model name")
+    source.add_argument("--model", default=None,
+                        help="a timm model name, or hf:ID_OR_FOLDER for a transformers image classifier")
     source.add_argument("--checkpoint", default=None,
                         help="weights: a timm checkpoint for --model, or one of vitprune's own small models")
-    source.add_argument("--pretrained", action="store_true", help="timm's pretrained weights for --model")
+    source.add_argument("--pretrained", action="store_true", help="pretrained weights for --model")
     data = parser.add_argument_group("data")
     data.add_argument("--data-dir", required=True, help="an image-folder tree (one folder per class)")
     data.add_argument("--split", default="validation", help="sub-folder to use if it exists (timm's search)")

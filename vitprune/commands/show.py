@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Optional
 
 from ..core.patching import patch
 from ..data import models
+from ..data.hf_models import preprocessing_note
 from ..data.pictures import load_picture, prepare_greyscale, prepare_timm
 from ..pictures import pyplot
 
 
 def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool):
-    """``(model, prepare, where its weights come from)``: a timm model by name, or a
-    checkpoint of vitprune's own models."""
+    """``(model, prepare, where its weights come from)``: a timm or ``hf:`` model by name
+    (``prepare(picture)`` is its own preprocessing), or a checkpoint of vitprune's own models."""
     if checkpoint is not None:
-        model, _, source = models.load_model(None, checkpoint, False)
-        return model, prepare_greyscale, source
-    model, _, source = models.load_model(name, None, pretrained)
-    return model, prepare_timm, source
+        model, config, source = models.load_model(None, checkpoint, False)
+        return model, functools.partial(prepare_greyscale, config), source
+    model, config, source = models.load_model(name, None, pretrained)
+    note = preprocessing_note(config)
+    if note:
+        print(f"note: {note}")
+    return model, functools.partial(prepare_timm, config), source
 
 
 def main(args: argparse.Namespace) -> int:
@@ -36,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
                   "nothing about the image")
         patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
               overlap_stride=args.overlap_stride)
-        x, display = prepare(model, picture)
+        x, display = prepare(picture)
         figure = visualize(model, x, display)
         figure.savefig(args.out, dpi=100)
     except (FileNotFoundError, ImportError, ValueError, TypeError) as error:

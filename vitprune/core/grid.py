@@ -1,33 +1,73 @@
-"""The patch grid a model makes from an input size (overlapping embeddings included)."""
+"""The patch grid a model makes from an input size (overlapping embeddings included).
+
+timm ViTs say their input size and patch convolution in ``model.patch_embed``;
+``transformers`` vision models say them in their (vision) config, and their patch
+convolution is the one whose kernel is the config's patch size.
+"""
 
 from __future__ import annotations
 
 import math
 from numbers import Integral
-from typing import Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from torch import nn
+
+
+def _vision_config(model: nn.Module) -> Any:
+    """A ``transformers`` model's vision config (its own config for a vision model), or ``None``."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "vision_config", config)
+    return config if hasattr(config, "image_size") and hasattr(config, "patch_size") else None
+
+
+def _pair(value: Any) -> Tuple[int, int]:
+    return (int(value), int(value)) if isinstance(value, Integral) else tuple(int(s) for s in value)
+
+
+def patch_conv(model: nn.Module) -> Optional[nn.Conv2d]:
+    """The convolution that cuts the image into patch tokens, or ``None`` when there is none
+    to find (a CNN stem, a module of no known kind)."""
+    conv = getattr(getattr(model, "patch_embed", None), "proj", None)
+    if isinstance(conv, nn.Conv2d):
+        return conv
+    config = _vision_config(model)
+    if config is not None:
+        kernel = _pair(config.patch_size)
+        return next((m for m in model.modules() if isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == kernel),
+                    None)
+    return None
+
+
+def own_input_size(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """``(H, W)`` the model says it takes, or ``None`` when it does not say."""
+    embed = getattr(model, "patch_embed", None)
+    if getattr(embed, "img_size", None) is not None:
+        return _pair(embed.img_size)
+    config = _vision_config(model)
+    return None if config is None else _pair(config.image_size)
 
 
 def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
     """``(H, W)``: ``img_size`` (an int means square), or the model's own input size.
 
     Raises:
-        TypeError: ``img_size`` is not an int or a pair of ints.
+        TypeError: ``img_size`` is not an int or a pair of ints, or it is ``None`` and the
+            model does not say its input size.
         ValueError: A side is smaller than the patch embedding's kernel (no patch fits).
     """
-    embed = getattr(model, "patch_embed", None)
     if img_size is None:
-        if embed is None or getattr(embed, "img_size", None) is None:
+        own = own_input_size(model)
+        if own is None:
             raise TypeError(f"pass img_size: this {type(model).__name__} does not say its input size")
-        return tuple(int(s) for s in embed.img_size)
+        return own
     pair = (img_size, img_size) if isinstance(img_size, Integral) else img_size
     if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
             or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in pair)):
         raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
     pair = tuple(int(s) for s in pair)
-    conv = getattr(embed, "proj", None)
-    kernel = tuple(conv.kernel_size) if isinstance(conv, nn.Conv2d) else (1, 1)
+    conv = patch_conv(model)
+    kernel = tuple(conv.kernel_size) if conv is not None else (1, 1)
     if any(s < k for s, k in zip(pair, kernel)):
         raise ValueError(f"img_size must be at least the patch size {kernel} on each side, got {pair}")
     return pair
@@ -39,12 +79,20 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
     Follows the convolution (kernel, stride, padding), so overlapping embeddings count
     right too; ``stride`` overrides the convolution's. With ``dynamic_img_pad`` the input
     is first padded to a multiple of the patch size, as timm does.
+
+    Raises:
+        TypeError: The model has no patch convolution to follow.
     """
-    embed = model.patch_embed
-    conv = embed.proj
+    conv = patch_conv(model)
+    if conv is None:
+        raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
+    embed = getattr(model, "patch_embed", None)
     sizes = input_size(model, img_size)
     if getattr(embed, "dynamic_img_pad", False):
         sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, embed.patch_size))
     strides = conv.stride if stride is None else (stride, stride)
-    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, conv.padding, conv.kernel_size, strides)]
+    padding = (0, 0) if conv.padding == "valid" else conv.padding
+    if padding == "same":  # only allowed with stride 1: one token per pixel
+        return sizes[0] * sizes[1]
+    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, padding, conv.kernel_size, strides)]
     return grid[0] * grid[1]

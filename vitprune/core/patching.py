@@ -97,6 +97,17 @@ def _patch_count(model: nn.Module, family: Family, config: PruneConfig) -> Optio
     return family.patches_of(model, config.overlap_stride) if config.stages == SPREAD else None
 
 
+def check_model_overlap(model: nn.Module, family: Family, stride: int) -> None:
+    """Raise ``TypeError`` or ``ValueError`` unless ``model`` can take ``overlap_stride=stride``."""
+    if not family.overlap:
+        bases = [f.model for f in families() if f.overlap]
+        bases = " or ".join(c.__name__ for c in bases if not any(c is not b and issubclass(c, b) for b in bases))
+        raise TypeError(f"overlap_stride is supported for {bases} models only (an absolute position "
+                        f"embedding), not {family.model.__name__}")
+    previous = model.__dict__.get(MODEL_ATTR)
+    check_overlap(model, stride, None if previous is None else previous.overlap)
+
+
 def check_options(options: "dict[str, Any]") -> None:
     """Raise ``TypeError`` naming any key of ``options`` that is not a :class:`PruneConfig` field."""
     unknown = sorted(set(options) - set(_OPTIONS))
@@ -216,14 +227,8 @@ def patch(
     _check_blocks(model, family, plan)
     _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
-    if cfg.overlap_stride is not None and not family.overlap:
-        bases = [f.model for f in families() if f.overlap]
-        bases = " or ".join(c.__name__ for c in bases if not any(c is not b and issubclass(c, b) for b in bases))
-        raise TypeError(f"overlap_stride is supported for {bases} models only (an absolute position "
-                        f"embedding), not {family.model.__name__}")
     if cfg.overlap_stride is not None:
-        previous = model.__dict__.get(MODEL_ATTR)
-        check_overlap(model, cfg.overlap_stride, None if previous is None else previous.overlap)
+        check_model_overlap(model, family, cfg.overlap_stride)
 
     unpatch(model)
     source = "cls" if family.class_token_of(model) else "mean"

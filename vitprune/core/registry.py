@@ -44,8 +44,9 @@ def timm_check(model: nn.Module) -> None:
         )
 
 
-def timm_patches(model: nn.Module, stride: Optional[int]) -> int:
-    """Patch tokens at the model's own input size (with ``stride`` for overlapping patches)."""
+def grid_patches(model: nn.Module, stride: Optional[int]) -> int:
+    """Patch tokens at the model's own input size (with ``stride`` for overlapping patches),
+    from its patch convolution (``core.grid``)."""
     from .grid import num_patches
 
     try:
@@ -115,7 +116,7 @@ class Family:
     blocks_of: Callable[[nn.Module], nn.ModuleList] = timm_blocks
     prefix_of: Callable[[nn.Module], int] = timm_prefix
     class_token_of: Callable[[nn.Module], bool] = timm_class_token
-    patches_of: Callable[[nn.Module, Optional[int]], int] = timm_patches
+    patches_of: Callable[[nn.Module, Optional[int]], int] = grid_patches
     check: Callable[[nn.Module], None] = timm_check
     extras: Callable[[nn.Module], "list[nn.Module]"] = no_extras
     library: str = "timm"
@@ -173,6 +174,12 @@ def family_of(model: nn.Module) -> Optional[Family]:
                 importlib.import_module(module)
                 return family_of(model)
     return found
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of ``model`` (patched or not), wherever its family keeps them."""
+    family = family_of(model)
+    return model.blocks if family is None else family.blocks_of(model)
 
 
 def original_model_class(model: nn.Module) -> type:

@@ -11,6 +11,13 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 
+def eval_transform(config: Dict[str, Any]):
+    """timm's evaluation transform for a data config (``resolve_data_config``'s dict)."""
+    return timm.data.create_transform(
+        input_size=config["input_size"], is_training=False, interpolation=config.get("interpolation", "bilinear"),
+        mean=config["mean"], std=config["std"], crop_pct=config.get("crop_pct"), crop_mode=config.get("crop_mode"))
+
+
 def open_images(data_dir: str, split: str, config: Dict[str, Any]):
     """The dataset with timm's eval transform for ``config`` (``resolve_data_config``'s dict).
 
@@ -31,9 +38,7 @@ def open_images(data_dir: str, split: str, config: Dict[str, Any]):
         raise ValueError(f"cannot read {data_dir} as an image folder: {str(error).splitlines()[0]}") from None
     if len(dataset) == 0:
         raise ValueError(f"{data_dir} holds no images (expected one sub-folder per class)")
-    dataset.transform = timm.data.create_transform(
-        input_size=config["input_size"], is_training=False, interpolation=config.get("interpolation", "bilinear"),
-        mean=config["mean"], std=config["std"], crop_pct=config.get("crop_pct"), crop_mode=config.get("crop_mode"))
+    dataset.transform = eval_transform(config)
     try:
         dataset[0]  # one image read now, not an error after minutes of work
     except Exception as error:

@@ -1,5 +1,6 @@
-"""A model for the commands, by timm name (random, pretrained or from a checkpoint) or as
-one of vitprune's own small models, with the preprocessing that belongs to it."""
+"""A model for the commands, by timm name (random, pretrained or from a checkpoint), as
+one of vitprune's own small models, or as ``hf:NAME_OR_FOLDER`` for a ``transformers`` one
+(``hf_models``), with the preprocessing that belongs to it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import timm
 import torch
 from torch import nn
+
+from .hf_models import is_transformers_name, load_transformers_model
 
 HUB_HOST = "huggingface.co"
 
@@ -62,7 +65,10 @@ def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool,
                img_size: Optional[int] = None) -> Tuple[nn.Module, Dict[str, Any], str]:
     """The model in eval mode, its timm data config, and a phrase saying where its weights came from.
 
+    ``name`` is a timm model name or ``hf:`` and a ``transformers`` hub id or saved folder.
+
     Raises:
+        ImportError: An ``hf:`` model without ``transformers`` installed.
         FileNotFoundError: No such checkpoint.
         ValueError: An unknown model, a checkpoint that does not fit it, or pretrained
             weights that cannot be had (no network and not cached).
@@ -82,6 +88,14 @@ def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool,
         return model, data_config(model), f"vitprune's {record['dataset']} model ({checkpoint})"
     if name is None:
         raise ValueError("name a model (--model NAME) or give one of vitprune's own checkpoints (--checkpoint)")
+    if is_transformers_name(name):
+        if checkpoint is not None:
+            raise ValueError(f"--checkpoint does not apply to {name}: give a saved transformers model's folder "
+                             "as --model hf:FOLDER")
+        if img_size is not None:
+            raise ValueError(f"--img-size does not apply to {name}: a transformers model runs at its config's "
+                             "image size")
+        return load_transformers_model(name, pretrained)
     if not timm.is_model(name):
         raise ValueError(f"unknown timm model {name!r}")
     kwargs: Dict[str, Any] = {} if img_size is None else {"img_size": img_size}

@@ -1,15 +1,16 @@
-"""One picture file as a model input: timm's preprocessing for timm models, greyscale for
-vitprune's own small models; each with a copy in [0, 1] for drawing."""
+"""One picture file as a model input: the model's data config through timm's transforms
+(timm and ``transformers`` models), greyscale for vitprune's own small models; each with a
+copy in [0, 1] for drawing."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Tuple
+from typing import Any, Dict, Tuple
 
-import timm
 import torch
 
 from .datasets import MEAN, STD
+from .folders import eval_transform
 
 
 def load_picture(path: str):
@@ -26,18 +27,18 @@ def load_picture(path: str):
     return picture
 
 
-def prepare_timm(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The model's own preprocessing (timm's data config): ``(input, display in [0, 1])``."""
-    config = timm.data.resolve_data_config({}, model=model)
-    x = timm.data.create_transform(**config)(picture.convert("RGB")).unsqueeze(0)
+def prepare_timm(config: Dict[str, Any], picture) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The model's own preprocessing, from its timm data config (``models.load_model`` gives
+    it): ``(input, display in [0, 1])``."""
+    x = eval_transform(config)(picture.convert("RGB")).unsqueeze(0)
     mean = torch.tensor(config["mean"]).view(1, -1, 1, 1)
     std = torch.tensor(config["std"]).view(1, -1, 1, 1)
     return x, (x * std + mean).clamp(0, 1)
 
 
-def prepare_greyscale(model: torch.nn.Module, picture) -> Tuple[torch.Tensor, torch.Tensor]:
+def prepare_greyscale(config: Dict[str, Any], picture) -> Tuple[torch.Tensor, torch.Tensor]:
     """Preprocessing of vitprune's own small models: greyscale, resized, normalised like Fashion-MNIST."""
-    size = tuple(int(s) for s in model.patch_embed.img_size)
+    size = tuple(int(s) for s in config["input_size"][-2:])
     grey = picture.convert("L").resize((size[1], size[0]))
     display = torch.frombuffer(bytearray(grey.tobytes()), dtype=torch.uint8).view(1, 1, *size).float() / 255
     return (display - MEAN) / STD, display

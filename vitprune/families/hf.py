@@ -164,11 +164,6 @@ def _heads(layer: nn.Module) -> int:
     return _num_heads(next(iter(_attention(layer).values())))
 
 
-def _patches(model: nn.Module, stride: Optional[int]) -> int:
-    config = _vision_config(model)
-    return (config.image_size // config.patch_size) ** 2
-
-
 #: The transformers release these layouts were written and tested for.
 MINIMUM_TRANSFORMERS = "5.24"
 
@@ -255,5 +250,5 @@ for _original, _body, _prefix_of in _MODELS:
         blocks={**_LAYERS, SiglipMultiheadAttentionPoolingHead: PruneSiglipMultiheadAttentionPoolingHead},
         attention=_ATTENTION, follows=True, attention_modules=_attention, heads=_heads, blocks_of=_layers,
         prefix_of=_prefix_of, class_token_of=(lambda model: False) if siglip else (lambda model: True),
-        patches_of=_patches, check=_check, extras=_siglip_head if siglip else no_extras, library="transformers",
+        check=_check, extras=_siglip_head if siglip else no_extras, library="transformers",
         examples="ViT, DeiT, DINOv2, CLIP and SigLIP vision in transformers"))

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..core.config import PruneConfig
 from ..core.grid import num_patches
+from ..core.registry import blocks_of
 from .flops import schedule_flops
 
 
@@ -27,11 +28,11 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
     """Token merging with ``r`` tokens merged per block (at most half the patches of a block).
 
     Args:
-        model: The timm ViT it is meant for (its patch count and depth set the keep rates).
+        model: The ViT it is meant for (its patch count and depth set the keep rates).
         r: Tokens merged in every block, ``>= 0``, or one such count per block.
         img_size: Input size the keep rates are worked out for; the model's own by default.
     """
-    depth = len(model.blocks)
+    depth = len(blocks_of(model))
     amounts = [r] * depth if isinstance(r, int) and not isinstance(r, bool) else list(r)
     if len(amounts) != depth or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in amounts):
         raise ValueError(f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}")
@@ -56,7 +57,7 @@ def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Seque
     """
     if not target_gflops > 0:
         raise ValueError(f"target_gflops must be > 0, got {target_gflops!r}")
-    depth, most = len(model.blocks), num_patches(model, img_size) // 2
+    depth, most = len(blocks_of(model)), num_patches(model, img_size) // 2
     for r in range(most + 1):
         for j in range(depth):
             config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size)

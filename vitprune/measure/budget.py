@@ -10,8 +10,7 @@ from torch import nn
 
 from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig
 from ..core.grid import input_size, num_patches
-from ..core.overlap import check_overlap
-from ..core.patching import check_model, check_options
+from ..core.patching import check_model, check_model_overlap, check_options
 from .flops import schedule_flops
 
 _BISECTION_STEPS = 60
@@ -35,10 +34,10 @@ def _check_target(target_gflops: Any) -> None:
 
 def _check_fit(model: nn.Module, config: PruneConfig, img_size: Optional[Sequence[int]]) -> None:
     """What ``patch`` would refuse, refused here too (before any counting)."""
-    check_model(model)
+    family = check_model(model)
     input_size(model, img_size)
     if config.overlap_stride is not None:
-        check_overlap(model, config.overlap_stride, getattr(model.__dict__.get("vitprune_state"), "overlap", None))
+        check_model_overlap(model, family, config.overlap_stride)
 
 
 def fit_keep_rate(

@@ -22,6 +22,7 @@ from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
 from .flops import count_flops, schedule_flops
+from .outputs import logits_of
 
 #: Method names: vitprune's defaults, the paper's method with each indicator, token merging.
 DEFAULT, MERGING = "default", "merging"
@@ -72,7 +73,8 @@ class Row:
 
 
 def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> float:
-    """GFLOPs per image: the analytic count where it applies (plain ViT blocks), else fvcore's."""
+    """GFLOPs per image: the analytic count where it applies (plain timm ViT blocks, the
+    ``transformers`` ViTs), else fvcore's."""
     try:
         return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size) / 1e9
     except TypeError:
@@ -90,7 +92,8 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         methods: ``"default"`` and/or indicators (the paper's method with each).
         keep_rates: Keep rates in (0, 1].
         budgets: Shares of the unpruned FLOPs in (0, 1]; each method's keep rate is fitted
-            (``fit_keep_rate``; needs plain ViT blocks, whose FLOPs are counted analytically).
+            (``fit_keep_rate``; needs a model whose FLOPs are counted analytically: plain
+            timm ViT blocks or a ``transformers`` ViT).
         stages: Stage schedules to override each method's own (``None``: each method's).
         reductions: ``reduction`` values to override each method's own (``None``: its own).
         baseline: Add token merging at every budget (and, at every keep rate, at the FLOPs
@@ -202,7 +205,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
             sync()
             start = time.perf_counter()
             with autocast:
-                logits = models[i](images)
+                logits = logits_of(models[i](images))
             sync()
             seconds[i] += time.perf_counter() - start
             top1[i] += _top_k(logits, labels, 1)

@@ -3,12 +3,14 @@
 Two independent counts that cross-check each other:
 
 - :func:`count_flops` traces the model with fvcore. fvcore has no handle for
-  ``aten::scaled_dot_product_attention``, which timm uses, and would silently count the
-  attention products as zero; we register one.
+  ``aten::scaled_dot_product_attention``, which timm uses, nor for a convolution with
+  string padding (SigLIP's patch embedding), and would silently count them as zero; we
+  register both.
 - :func:`analytic_flops` counts the matrix products from the token schedule: patch
   embedding, per block the qkv / attention / projection / MLP products at the number of
   tokens each sees, the scoring row and fusion in pruning blocks, and the head. Norms,
-  activations and softmaxes are left out (fvcore counts norms: about 0.2 %).
+  activations and softmaxes are left out (fvcore counts norms: about 0.2 %). It covers
+  timm ViTs of plain blocks and the ``transformers`` ViTs vitprune patches.
 """
 
 from __future__ import annotations
@@ -16,16 +18,17 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import torch
 from timm.models.vision_transformer import Block, ResPostBlock
 from torch import nn
 
 from ..core.config import PruneConfig, token_counts
-from ..core.grid import input_size, num_patches
+from ..core.grid import input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
+from ..core.registry import Family, family_of
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,17 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
     return [BlockTokens(attn=num_prefix + a, mlp=num_prefix + m) for a, m in zip(before, counts)]
 
 
-def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Module) -> int:
+def reduction_flops(config: PruneConfig, n: int, out: int, C: int, heads: int) -> int:
     """Products of one reduction step from ``n`` to ``out`` non-prefix tokens of width ``C``:
-    key similarities (``d``-wide averaged keys) between removed or candidate tokens and the
-    kept or destination ones, then the fusion or merge sums."""
+    key similarities (``C / heads``-wide averaged keys) between removed or candidate tokens
+    and the kept or destination ones, then the fusion or merge sums."""
     if out == n:
         return 0
     kept = out - 1 if config.reduction == "fuse" else out
     removed = n - kept
     total = (n - out) * C  # the fusion or merge sums
     if config.selection != "top" or config.reduction == "merge":
-        d = C // block.attn.num_heads if hasattr(block, "attn") else C
+        d = C // heads
         if config.selection == "top":
             total += removed * kept * d
         else:
@@ -69,24 +72,90 @@ def reduction_flops(config: PruneConfig, n: int, out: int, C: int, block: nn.Mod
     return total
 
 
-def _check_analytic(model: nn.Module) -> None:
+def _linear_flops(modules: Iterable[nn.Module]) -> int:
+    """Multiply-adds of one token through every ``nn.Linear`` in ``modules`` (and below)."""
+    return sum(m.in_features * m.out_features for module in modules for m in module.modules()
+               if isinstance(m, nn.Linear))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the analytic count reads of a model: its patch convolution, width, blocks (each
+    with the attention modules that see the attention's tokens, the rest seeing the MLP's),
+    prefix tokens, and the cost of what follows the blocks given the tokens left."""
+
+    conv: nn.Conv2d
+    width: int
+    blocks: Sequence[nn.Module]
+    prefix: int
+    attention_of: Callable[[nn.Module], Sequence[nn.Module]]
+    heads_of: Callable[[nn.Module], int]
+    after_blocks: Callable[[int], int]
+
+
+def _refuse(model: nn.Module) -> TypeError:
+    return TypeError(
+        f"analytic FLOPs cover timm ViTs with Block or ResPostBlock blocks (Linear MLP) and a convolutional "
+        f"patch embedding, and the transformers ViTs vitprune patches; use vitprune.count_flops (fvcore) for "
+        f"this {type(model).__name__}")
+
+
+def _timm_layout(model: nn.Module) -> _Layout:
     blocks = getattr(model, "blocks", None)
     plain = blocks is not None and all(
         isinstance(b, (Block, ResPostBlock)) and isinstance(getattr(getattr(b, "mlp", None), "fc1", None), nn.Linear)
         for b in blocks)
     embed = getattr(model, "patch_embed", None)
     if not plain or not isinstance(getattr(embed, "proj", None), nn.Conv2d) or hasattr(embed, "backbone"):
-        raise TypeError(
-            f"analytic FLOPs cover ViTs with Block or ResPostBlock blocks (Linear MLP) and a convolutional "
-            f"patch embedding; use vitprune.count_flops (fvcore) for this {type(model).__name__}"
-        )
+        raise _refuse(model)
+    head = getattr(model, "head", None)
+    head_flops = head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
+    return _Layout(conv=embed.proj, width=model.embed_dim, blocks=list(blocks), prefix=model.num_prefix_tokens,
+                   attention_of=lambda block: [block.attn], heads_of=lambda block: block.attn.num_heads,
+                   after_blocks=lambda tokens: head_flops)
+
+
+def _pooling_attention_flops(attention: nn.MultiheadAttention, tokens: int) -> int:
+    """One query (a learned probe) attending over ``tokens``: its projections, the keys and
+    values of every token, the two products and the output projection."""
+    C = attention.embed_dim
+    return C * C + 2 * tokens * C * C + 2 * tokens * C + C * C
+
+
+def _library_layout(model: nn.Module, family: Family) -> _Layout:
+    """A model of a registered family from another library (``transformers``): every Linear
+    after the blocks sees one token (pooled or class token), a pooling attention all of them."""
+    blocks = family.blocks_of(model)
+    conv = patch_conv(model)
+    if conv is None:
+        raise _refuse(model)
+    in_blocks = {id(m) for m in blocks.modules()}
+    pools = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention) and id(m) not in in_blocks]
+    in_pools = {id(m) for pool in pools for m in pool.modules()}
+    once = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in in_blocks | in_pools]
+    once_flops = _linear_flops(once)
+
+    def after_blocks(tokens: int) -> int:
+        return once_flops + sum(_pooling_attention_flops(pool, tokens) for pool in pools)
+
+    return _Layout(conv=conv, width=conv.out_channels, blocks=list(blocks), prefix=family.prefix_of(model),
+                   attention_of=lambda block: list(family.attention_modules(block).values()),
+                   heads_of=family.heads, after_blocks=after_blocks)
+
+
+def _layout(model: nn.Module) -> _Layout:
+    family = family_of(model)
+    if family is not None and family.library != "timm":
+        return _library_layout(model, family)
+    return _timm_layout(model)
 
 
 def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
     """FLOPs of one image through ``model`` (patched or not), from its token schedule.
 
     Args:
-        model: A timm ``VisionTransformer`` with ``Block`` or ``ResPostBlock`` blocks.
+        model: A timm ``VisionTransformer`` with ``Block`` or ``ResPostBlock`` blocks, or a
+            ``transformers`` ViT that ``patch`` accepts.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
     """
     return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size)
@@ -95,35 +164,34 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
 def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Optional[Sequence[int]] = None) -> int:
     """FLOPs of one image through ``model`` if it were patched with ``config`` (``None``: unpruned).
 
-    ``config.overlap_stride``, when set, replaces the patch embedding's stride.
+    Per block: the attention modules' Linear layers at the tokens the attention sees, the
+    two attention products, the block's other Linear layers (the MLP) at the tokens left
+    after the reduction step, and the reduction step itself. ``config.overlap_stride``,
+    when set, replaces the patch embedding's stride.
 
     Raises:
         TypeError: For models this formula does not describe (parallel blocks, a CNN
             stem, other families): use :func:`count_flops` (fvcore) for those.
     """
-    _check_analytic(model)
-    conv = model.patch_embed.proj
-    C = model.embed_dim
+    layout = _layout(model)
+    conv, C, prefix = layout.conv, layout.width, layout.prefix
     patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
-    depth = len(model.blocks)
+    depth = len(layout.blocks)
     if config is not None:
         config = config.resolve(depth, patches)
-    schedule = token_schedule(config, depth, model.num_prefix_tokens, patches)
+    schedule = token_schedule(config, depth, prefix, patches)
 
     kh, kw = conv.kernel_size
     total = patches * C * conv.in_channels * kh * kw
-    for index, tokens in enumerate(schedule):
-        hidden = model.blocks[index].mlp.fc1.out_features
+    for index, (block, tokens) in enumerate(zip(layout.blocks, schedule)):
+        attention = layout.attention_of(block)
+        inside = {id(m) for module in attention for m in module.modules()}
+        rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
         L = tokens.attn
-        total += L * C * 3 * C + 2 * L * L * C + L * C * C
+        total += L * _linear_flops(attention) + 2 * L * L * C + tokens.mlp * _linear_flops(rest)
         if config is not None and index in config.stages:
-            total += L * C + reduction_flops(config, L - model.num_prefix_tokens,
-                                             tokens.mlp - model.num_prefix_tokens, C, model.blocks[index])
-        total += 2 * tokens.mlp * C * hidden
-    head = getattr(model, "head", None)
-    if isinstance(head, nn.Linear):
-        total += head.in_features * head.out_features
-    return total
+            total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, layout.heads_of(block))
+    return total + layout.after_blocks(schedule[-1].mlp)
 
 
 def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
@@ -132,6 +200,15 @@ def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
 
     q, k, v = (get_shape(value) for value in inputs[:3])
     return math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
+
+
+def _conv_mode_flops(inputs: List[Any], outputs: List[Any]) -> int:
+    """fvcore handle for a convolution with string padding (``"valid"``, ``"same"``), which
+    fvcore does not know: every output position of every image is one kernel's products."""
+    from fvcore.nn.jit_handles import get_shape
+
+    weight, out = get_shape(inputs[1]), get_shape(outputs[0])
+    return out[0] * math.prod(weight) * math.prod(out[2:])
 
 
 def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
@@ -160,7 +237,8 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> i
     was_training = model.training
     model.eval()
     try:
-        analysis = FlopCountAnalysis(model, x).set_op_handle("aten::scaled_dot_product_attention", _sdpa_flops)
+        analysis = FlopCountAnalysis(model, x).set_op_handle(
+            "aten::scaled_dot_product_attention", _sdpa_flops, "aten::_convolution_mode", _conv_mode_flops)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
         analysis.tracer_warnings("none")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import pyplot
+from ..core.grid import patch_conv
 from ..core.patching import get_config, kept_positions, state_of
 
 
@@ -21,10 +22,14 @@ def patch_footprints(model: nn.Module, img_size: Tuple[int, int]) -> torch.Tenso
     """``(N, H, W)`` bool: the input pixels each patch token's convolution reads.
 
     Follows the patch embedding's kernel, stride and padding, so overlapping patches
-    (``overlap_stride``) have overlapping footprints. Patches are in timm's row-major order.
+    (``overlap_stride``) have overlapping footprints. Patches are in row-major order (timm's
+and ``transformers``').
     """
-    conv = model.patch_embed.proj
-    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv.padding
+    conv = patch_conv(model)
+    if conv is None:
+        raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
+    padding = (0, 0) if conv.padding == "valid" else conv.padding
+    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, padding
     H, W = img_size
     rows, cols = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
     masks = torch.zeros(rows * cols, H, W, dtype=torch.bool)
