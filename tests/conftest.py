@@ -127,3 +127,34 @@ def assert_same(before, after):
 @pytest.fixture
 def tiny() -> torch.nn.Module:
     return make_model("deit_tiny")
+
+
+#: A tiny ``transformers`` vision config: 4 layers of width 32 on 32 x 32 images of 8 x 8 patches.
+HF_SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                intermediate_size=64)
+
+
+def require_transformers():
+    """The ``transformers`` module, or a skip of the calling test module when it is missing
+    or older than the release vitprune supports."""
+    transformers = pytest.importorskip("transformers")
+    release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+    if release < (5, 24):
+        pytest.skip(f"vitprune supports transformers >= 5.24, found {transformers.__version__}",
+                    allow_module_level=True)
+    return transformers
+
+
+@pytest.fixture
+def rgb_tree(tmp_path):
+    """A folder tree of 3 classes x 4 random 70 x 90 RGB JPEGs."""
+    import numpy as np
+    from PIL import Image
+
+    root = tmp_path / "tree"
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        (root / f"class{c}").mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 255, (70, 90, 3), dtype=np.uint8)).save(root / f"class{c}" / f"{i}.jpg")
+    return root

@@ -4,7 +4,6 @@ import copy
 import csv
 import json
 
-import numpy as np
 import pytest
 import timm
 import torch
@@ -31,16 +30,6 @@ def fashion_tree(tmp_path_factory):
         folder.mkdir(exist_ok=True)
         Image.fromarray(image.numpy(), mode="L").save(folder / f"{index:05d}.png")
     return root
-
-
-@pytest.fixture
-def rgb_tree(tmp_path):
-    rng = np.random.default_rng(0)
-    for c in range(3):
-        (tmp_path / f"class{c}").mkdir()
-        for i in range(4):
-            Image.fromarray(rng.integers(0, 255, (70, 90, 3), dtype=np.uint8)).save(tmp_path / f"class{c}" / f"{i}.jpg")
-    return tmp_path
 
 
 def test_eval_reports_the_same_top1_as_the_demo_computes(fashion_tree, tmp_path):

@@ -8,18 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-_release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-if _release < (5, 24):
-    pytest.skip(f"vitprune supports transformers >= 5.24, found {transformers.__version__}", allow_module_level=True)
+from conftest import HF_SIZES as SIZES, assert_same, require_transformers, snapshot
+
+transformers = require_transformers()
 
 import vitprune  # noqa: E402
-from conftest import assert_same, snapshot  # noqa: E402
 from vitprune.core.config import token_counts  # noqa: E402
 
 T = transformers
-SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-             intermediate_size=64)
 PATCHES = (32 // 8) ** 2
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -9,10 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
-transformers = pytest.importorskip("transformers")
-_release = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-if _release < (5, 24):
-    pytest.skip(f"vitprune supports transformers >= 5.24, found {transformers.__version__}", allow_module_level=True)
+from conftest import HF_SIZES as SIZES, require_transformers
+
+transformers = require_transformers()
 
 import vitprune  # noqa: E402
 from vitprune.commands.cli import main  # noqa: E402
@@ -22,8 +21,6 @@ from vitprune.measure.baseline import fit_merging  # noqa: E402
 from vitprune.measure.flops import schedule_flops  # noqa: E402
 
 T = transformers
-SIZES = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-             intermediate_size=64)
 
 #: One tiny model of each class vitprune patches.
 CLASSES = {
@@ -141,17 +138,6 @@ def saved_tower(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hf_siglip")
     build("SiglipVisionModel").save_pretrained(folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def rgb_tree(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tree")
-    rng = np.random.default_rng(0)
-    for c in range(3):
-        (root / f"class{c}").mkdir()
-        for i in range(4):
-            Image.fromarray(rng.integers(0, 255, (50, 70, 3), dtype=np.uint8)).save(root / f"class{c}" / f"{i}.png")
-    return root
 
 
 def _pictures():
