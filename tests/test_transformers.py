@@ -200,3 +200,28 @@ def test_interpolate_pos_encoding_keeps_working(name):
         vitprune.patch(model, keep_rate=0.5)
         got = main_output(model(pixel_values=x, interpolate_pos_encoding=True))
     assert got.shape == expected.shape and vitprune.kept_positions(model)[0].shape[1] < (48 // 8) ** 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_output_attentions_records_every_layer_at_its_pruned_length(name):
+    """Eager attention returns weights: every layer's, of the tokens it saw; at keep 1.0 the
+    unpatched model's own; asking for them does not change the output."""
+    model, x = build(name, "eager"), images()
+    prefix = MODELS[name][2]
+    with torch.no_grad():
+        expected = model(pixel_values=x, output_attentions=True).attentions
+        vitprune.patch(model, keep_rate=1.0)
+        same = model(pixel_values=x, output_attentions=True).attentions
+        vitprune.patch(model, keep_rate=0.7)
+        outputs = model(pixel_values=x, output_attentions=True)
+        plain = model(pixel_values=x)
+    assert len(same) == len(expected) == 4
+    for got, want in zip(same, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    config = vitprune.get_config(model)
+    counts = token_counts(config.keep_rate, config.stages, 4, PATCHES, config.reduction == "fuse")
+    seen = [PATCHES, *counts[:-1]]
+    assert [tuple(a.shape) for a in outputs.attentions] == [(2, 4, prefix + n, prefix + n) for n in seen]
+    for weights in outputs.attentions:
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+    torch.testing.assert_close(main_output(outputs), main_output(plain), rtol=0, atol=0)

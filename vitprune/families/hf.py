@@ -8,8 +8,10 @@ swapped for a subclass that runs the attention through vitprune's path (fused
 ``"flash_attention_2"`` and others run as SDPA there), adds the size bias, and reduces the
 tokens between attention and MLP; the layer's own submodules, parameters and hooks are
 kept, so ``output_hidden_states`` returns every layer's tokens (fewer after each stage).
-Attention weights of the swapped layers are not recorded (``output_attentions`` holds those
-of the layers before the first stage only).
+With ``output_attentions`` a swapped layer also runs its own attention module on the same
+tokens with the size bias as its mask, so ``transformers`` records every layer's weights
+(of the pruned length; ``None``-free only where the implementation returns weights, as
+unpatched: ``attn_implementation="eager"``); that doubles the attention's cost while asked.
 """
 
 from __future__ import annotations
@@ -100,8 +102,12 @@ class _HFLayer(PruningBlock):
         norm1, attention, scale1, drop, norm2, mlp, scale2 = self._vitprune_names
         state, x = self.vitprune_state, hidden_states
         bias = self._vitprune_begin(x)
-        out, scored = hf_attention_with_row(getattr(self, attention), getattr(self, norm1)(x), state.num_prefix,
-                                            state.row_source, bias)
+        normed = getattr(self, norm1)(x)
+        out, scored = hf_attention_with_row(getattr(self, attention), normed, state.num_prefix, state.row_source, bias)
+        if kwargs.get("output_attentions"):
+            # The module itself runs too (its weights are what transformers records), with the
+            # size bias as its additive mask; the output stays vitprune's, as without the flag.
+            getattr(self, attention)(normed, attention_mask=bias)
         x = self._vitprune_reduce(x + self._vitprune_branch(out, scale1, drop), scored)
         return x + self._vitprune_branch(getattr(self, mlp)(getattr(self, norm2)(x)), scale2, drop)
 
