@@ -6,7 +6,8 @@ For the shipped models on their test subsets (2,000 images), the paper's method 
 and medad and vitprune's defaults (merging in every block) at keep 0.7: whether scores and
 outputs stay finite under fp16 and bf16 autocast, and which fraction of the kept patches
 agrees with fp32 at every stage. Then, for a few families on random
-weights, the largest difference from the unpatched model with nothing pruned, on CUDA.
+weights, the largest difference from the unpatched model with nothing pruned, on CUDA;
+the same for ``transformers`` ViT and SigLIP (eager and sdpa) when it is installed.
 Prints one line per check; exits non-zero if any output is not finite.
 """
 
@@ -60,7 +61,44 @@ def main() -> int:
             vitprune.patch(model, keep_rate=1.0)
             error = (model(x) - expected).abs().max().item()
         print(f"{name}: max abs difference with nothing pruned, CUDA fp32: {error:.2e}")
+    ok &= transformers_checks(device)
     return 0 if ok else 1
+
+
+def transformers_checks(device: torch.device) -> bool:
+    """Base-size ``transformers`` ViT and SigLIP tower on CUDA (random weights), for each
+    attention implementation: the difference from the unpatched model with nothing pruned,
+    and whether keep 0.7 stays finite under bf16 autocast. Skipped without transformers."""
+    try:
+        import transformers as T
+    except ImportError:
+        print("transformers: not installed, skipped")
+        return True
+    base = dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                intermediate_size=3072)
+    ok = True
+    for make in (lambda: T.ViTForImageClassification(T.ViTConfig(**base)),
+                 lambda: T.SiglipVisionModel(T.SiglipVisionConfig(**base))):
+        for implementation in ("eager", "sdpa"):
+            torch.manual_seed(0)
+            model = make().to(device).eval()
+            model.config._attn_implementation = implementation
+            x = torch.randn(8, 3, 224, 224, device=device)
+            with torch.no_grad():
+                expected = _main(model(x))
+                vitprune.patch(model, keep_rate=1.0)
+                error = (_main(model(x)) - expected).abs().max().item()
+                vitprune.patch(model, keep_rate=0.7)
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    finite = bool(torch.isfinite(_main(model(x))).all())
+            ok &= finite
+            print(f"{type(model).__name__} {implementation}: max abs difference with nothing pruned, CUDA fp32: "
+                  f"{error:.2e}; keep 0.7 bf16 finite={finite}")
+    return ok
+
+
+def _main(output) -> torch.Tensor:
+    return output.logits if getattr(output, "logits", None) is not None else output.pooler_output
 
 
 if __name__ == "__main__":
