@@ -3,6 +3,7 @@ ViTs (tiny random configs saved to a folder: no download)."""
 
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -191,13 +192,29 @@ def test_eval_on_a_transformers_classifier(saved_classifier, rgb_tree, tmp_path,
     (["--model", "hf:{tower}"], "needs an image classifier"),
     (["--model", "hf:{classifier}", "--checkpoint", "{classifier}/model.safetensors"], "--checkpoint does not apply"),
     (["--model", "hf:{classifier}", "--img-size", "64"], "--img-size does not apply"),
-    (["--model", "hf:{tree}/no_such_folder"], "cannot load the transformers config"),
 ])
 def test_eval_refuses_with_one_line(options, message, saved_classifier, saved_tower, rgb_tree, capsys):
     options = [o.format(tower=saved_tower, classifier=saved_classifier, tree=rgb_tree) for o in options]
     assert main(["eval", *options, "--data-dir", str(rgb_tree), "--no-progress"]) == 2
     error = capsys.readouterr().err
     assert message in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_hub_id_without_network_fails_at_once(rgb_tree, monkeypatch, capsys):
+    import huggingface_hub.constants as constants
+
+    from vitprune.data import models
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)  # restored afterwards
+    monkeypatch.setattr(models, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setenv("HF_HOME", str(rgb_tree / "empty-cache"))
+    started = time.perf_counter()
+    assert main(["eval", "--model", "hf:no-such-user/no-such-vit", "--pretrained", "--data-dir", str(rgb_tree),
+                 "--no-progress"]) == 2
+    assert time.perf_counter() - started < 20
+    assert "cannot load the transformers config of no-such-user/no-such-vit" in capsys.readouterr().err
+    assert constants.HF_HUB_OFFLINE is True
 
 
 def test_bench_times_a_transformers_model(saved_classifier, tmp_path):
