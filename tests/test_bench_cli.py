@@ -76,3 +76,21 @@ def test_the_console_entry_reports_errors_with_exit_status_2():
     result = subprocess.run([sys.executable, "-m", "vitprune", "bench", "--model", "no_such_model"],
                             capture_output=True, text=True)
     assert result.returncode == 2 and "unknown timm model" in result.stderr
+
+
+def test_bench_times_the_merging_baseline_at_the_defaults_flops(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--keep-rates", "1.0", "0.7", "--indicators", "default", "--baseline", "merge",
+                 "--out", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["unpruned", "default keep 1", "default keep 0.7", "merging @ default keep 0.7"]
+    merging, default = rows["merging @ default keep 0.7"], rows["default keep 0.7"]
+    assert merging["indicator"] == "merging" and merging["peak_memory_mb"] > 0  # rebuilt in the memory child
+    # fitted to the defaults' cost: at most it, and within the last merged token of it
+    assert 0.9 * default["gflops"] < merging["gflops"] <= default["gflops"]
+
+
+def test_the_merging_baseline_needs_analytic_flops(capsys):
+    assert main(["bench", "--model", "eva02_tiny_patch14_224", "--img-size", "56", "--batch", "1", "--rounds", "1",
+                 "--warmup", "0", "--no-memory", "--no-progress", "--keep-rates", "0.7", "--baseline", "merge"]) == 2
+    assert "--baseline merge fits token merging to the analytic FLOPs" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import timm
@@ -29,10 +29,14 @@ from ..core.config import SPREAD, PruneConfig
 from ..core.grid import input_size
 from ..core.patching import check_model, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
-from ..measure.flops import count_flops
+from ..measure.baseline import fit_merging
+from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
 from .parsers import DEFAULT
+
+#: ``Setting.indicator`` of the token-merging baseline.
+MERGING = "merging"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -45,20 +49,26 @@ class Setting:
     keep_rate: float = 1.0
     stages: Optional[Tuple[int, ...]] = None
     overlap_stride: Optional[int] = None
+    fitted: Optional[PruneConfig] = field(default=None, compare=False)  # the merging baseline's config
 
     @property
     def label(self) -> str:
         if self.indicator is None:
             return "unpruned"
+        if self.indicator == MERGING:
+            return f"merging @ default keep {self.keep_rate:g}"
         where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
         overlap = "" if self.overlap_stride is None else f" ov{self.overlap_stride}"
         return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}"
 
     def config(self) -> Optional[PruneConfig]:
         """``indicator="default"``: vitprune's defaults (``stages`` default ``"spread"``);
-        an indicator: the paper's method with it (``stages`` default: the paper's)."""
+        an indicator: the paper's method with it (``stages`` default: the paper's);
+        ``"merging"``: the token-merging baseline fitted to the defaults' FLOPs at ``keep_rate``."""
         if self.indicator is None:
             return None
+        if self.indicator == MERGING:
+            return self.fitted
         if self.indicator == DEFAULT:
             return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
                                overlap_stride=self.overlap_stride)
@@ -166,6 +176,26 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, warmup: 
     return {key: statistics.median(values) for key, values in times.items()}
 
 
+def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: Sequence[int]) -> List[Setting]:
+    """Token merging (``measure.baseline``) at the analytic FLOPs of vitprune's defaults at each
+    keep rate below 1, so the two are timed at equal cost.
+
+    Raises:
+        TypeError: The model's FLOPs have no analytic count (the fit needs one).
+    """
+    settings = []
+    for rate in keep_rates:
+        if rate < 1:
+            try:
+                target = schedule_flops(model, Setting(DEFAULT, rate).config(), size) / 1e9
+            except TypeError:
+                raise TypeError(f"--baseline merge fits token merging to the analytic FLOPs, which do not cover "
+                                f"this {type(model).__name__} (plain timm ViT blocks and transformers ViTs "
+                                f"do)") from None
+            settings.append(Setting(MERGING, rate, fitted=fit_merging(model, target, size)))
+    return settings
+
+
 def _cpu_step_builder(name: str, setting: Setting, model_kwargs: dict, batch: int, mode: str,
                       dtype_name: str, threads: Optional[int]) -> Callable[[], None]:
     """Runs in the memory child: the same model, input and step as the timed ones."""
@@ -191,6 +221,8 @@ def run(args: argparse.Namespace) -> List[Row]:
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
     check_model(base)  # before anything reads a ViT's attributes: a clear refusal for a ResNet
     size = input_size(base, args.img_size)
+    if getattr(args, "baseline", None) == "merge":
+        grid += merging_settings(base, args.keep_rates, size)
     x = torch.randn(args.batch, 3, *size, device=device)
     models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}
     flops = {label: count_flops(model, size) for label, model in models.items()}

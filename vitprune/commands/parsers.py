@@ -82,6 +82,8 @@ the ideal ratio from the FLOP counts.""")
                         help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: each setting's own)")
     parser.add_argument("--overlap-strides", nargs="+", type=positive_int, default=[],
                         help="also run every setting with these patch-embedding strides")
+    parser.add_argument("--baseline", choices=("merge",), default=None,
+                        help="also token merging (ToMe's method) at the FLOPs of the defaults at each keep rate")
     parser.add_argument("--batch", type=positive_int, default=32, help="images per step")
     parser.add_argument("--img-size", type=positive_int, default=None, help="square input size (default: the model's)")
     parser.add_argument("--mode", choices=MODES, default="infer",
