@@ -258,3 +258,21 @@ def test_show_draws_a_transformers_tower_with_the_default_preprocessing(saved_to
     assert main(["show", str(picture), "--model", f"hf:{saved_tower}", "--stages", "1,2", "--out", str(out)]) == 0
     assert "no image processor config" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "DeiTForImageClassificationWithTeacher",
+                                  "Dinov2ForImageClassification", "CLIPVisionModelWithProjection",
+                                  "SiglipVisionModel"])
+def test_torch_export_and_compile_reproduce_eager(name):
+    """While exporting, transformers hands the layers its all-visible mask: it is ignored there."""
+    model = vitprune.patch(build(name), keep_rate=0.7)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        exported = torch.export.export(model, (x,)).module()(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    key = next(k for k in ("logits", "image_embeds", "pooler_output") if getattr(expected, k, None) is not None)
+    torch.testing.assert_close(exported[key], expected[key], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled[key], expected[key], rtol=1e-5, atol=1e-5)
+

@@ -7,7 +7,8 @@ from typing import NamedTuple, Tuple
 import torch
 
 
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch < 2.3 has none
+#: Whether torch.export is tracing (torch < 2.3 has no way to ask: never).
+is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 class Selection(NamedTuple):
@@ -40,7 +41,7 @@ def select_top(scores: torch.Tensor, k: int) -> Selection:
 def descending_order(values: torch.Tensor) -> torch.Tensor:
     """Indices that sort each row of ``values`` from high to low, ties earlier first (a stable
     sort); while exporting, ``topk``'s order (see :func:`select_top`). Never differentiated."""
-    if _is_exporting():
+    if is_exporting():
         return values.detach().topk(values.shape[1], dim=1, sorted=True).indices
     return values.detach().sort(dim=1, descending=True, stable=True).indices
 

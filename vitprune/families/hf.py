@@ -38,6 +38,7 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassi
 from ..core.registry import REFUSED, Family, no_extras, register
 from ..core.state import Scored
 from .attention import attend, split_heads
+from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
 from .pooling import size_weighted_mean
 
@@ -98,7 +99,12 @@ class _HFLayer(PruningBlock):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 **kwargs: Any) -> torch.Tensor:
-        refuse_masks(attention_mask, False)
+        if not is_exporting():
+            refuse_masks(attention_mask, False)
+        # While torch.export traces, transformers materializes its "every token visible" mask
+        # (it cannot test the user's mask for padding while tracing), so one arrives even
+        # when none was given; it masks nothing and is ignored. A user's own mask is refused
+        # in eager mode, where it can be told apart.
         norm1, attention, scale1, drop, norm2, mlp, scale2 = self._vitprune_names
         state, x = self.vitprune_state, hidden_states
         bias = self._vitprune_begin(x)
