@@ -31,6 +31,24 @@ def test_merge_is_the_size_weighted_average_of_each_kept_token_and_what_joins_it
     assert_close(new_sizes, torch.tensor([[4.0, 3.0]]))
 
 
+def test_merge_copies_the_prefix_tokens_and_indexes_past_them_in_every_image():
+    prefix = torch.tensor([[[9.0, 9.0], [8.0, 8.0]], [[7.0, 7.0], [6.0, 6.0]]])
+    first = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [4.0, 0.0]])
+    tokens = torch.cat([prefix, torch.stack([first, first.flip(0)])], dim=1)  # (2, 2 + 4, 2)
+    sizes = torch.tensor([[1.0, 2.0, 1.0, 3.0], [3.0, 1.0, 2.0, 1.0]])
+    matched = Matched(keep=torch.tensor([[0, 2], [0, 2]]), drop=torch.tensor([[1, 3], [1, 3]]),
+                      dest=torch.tensor([[1, 0], [1, 1]]))
+    merged, new_sizes = merge_tokens(tokens, sizes, matched, num_prefix=2)
+    # image 0 as in the test above; image 1 holds [4, 0] (3), [2, 2] (1), [0, 1] (2), [1, 0] (1):
+    # [4, 0] stays alone, [0, 1] receives [2, 2] and [1, 0]: (2 * [0, 1] + [2, 2] + [1, 0]) / 4
+    expected = torch.tensor([[[9.0, 9.0], [8.0, 8.0], [13 / 4, 0.0], [2 / 3, 4 / 3]],
+                             [[7.0, 7.0], [6.0, 6.0], [4.0, 0.0], [3 / 4, 4 / 4]]])
+    assert_close(merged, expected)
+    assert_close(new_sizes, torch.tensor([[4.0, 3.0], [3.0, 4.0]]))
+    alone, _ = merge_tokens(tokens[:, 2:], sizes, matched)
+    assert torch.equal(merged[:, 2:], alone)
+
+
 def test_merge_lets_gradients_reach_every_token():
     tokens = torch.randn(1, 4, 3, requires_grad=True)
     matched = Matched(keep=torch.tensor([[0, 2]]), drop=torch.tensor([[1, 3]]), dest=torch.tensor([[1, 1]]))

@@ -41,8 +41,8 @@ class Matched(NamedTuple):
 
 def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads."""
-    metric = keys[:, :, num_prefix:].mean(dim=1)
-    return metric / metric.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    metric = keys[:, :, num_prefix:].sum(dim=1)  # the mean's direction: the norm divides the 1 / H out
+    return metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 def _positions_in(keep: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
@@ -153,30 +153,42 @@ def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat
     return Matched(keep, drop, _positions_in(keep, dst.gather(1, partner), n))
 
 
-def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched) -> "tuple[torch.Tensor, torch.Tensor]":
+def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched,
+                 num_prefix: int = 0) -> "tuple[torch.Tensor, torch.Tensor]":
     """Size-weighted averages of each kept token and the removed tokens matched to it.
 
     Args:
-        tokens: ``(B, n, C)``.
-        sizes: ``(B, n)`` float: how many original patches each token holds.
+        tokens: ``(B, P + n, C)``: ``num_prefix`` tokens that are copied as they are, then
+            the ``n`` tokens ``matched`` indexes.
+        sizes: ``(B, n)`` float: how many original patches each of the ``n`` holds.
         matched: The selection.
+        num_prefix: ``P``.
 
     Returns:
-        ``(B, k, C)`` tokens and their ``(B, k)`` sizes; a kept token ``j`` becomes
-        ``(s_j x_j + sum_i s_i x_i) / (s_j + sum_i s_i)`` over the removed ``i`` matched to it.
+        ``(B, P + k, C)`` tokens and the ``(B, k)`` sizes of the ``k`` kept ones; a kept
+        token ``j`` becomes ``(s_j x_j + sum_i s_i x_i) / (s_j + sum_i s_i)`` over the
+        removed ``i`` matched to it.
     """
-    B, k, C = tokens.shape[0], matched.keep.shape[1], tokens.shape[-1]
+    B, L, C = tokens.shape
+    P, k = num_prefix, matched.keep.shape[1]
     kept_sizes, drop_sizes = sizes.gather(1, matched.keep), sizes.gather(1, matched.drop)
     new_sizes = kept_sizes.scatter_add(1, matched.dest, drop_sizes)
-    # Only the rows that receive tokens change: x_j s_j / S_j + sum_i x_i s_i / S_j. The others
-    # are copied as they are, so the work beyond the one copy grows with the tokens removed.
-    out = gather_tokens(tokens, matched.keep).reshape(B * k, C)
-    rows = flat_index(matched.dest, k)
-    kept_share = (kept_sizes / new_sizes).reshape(-1).index_select(0, rows).to(tokens.dtype).unsqueeze(-1)
-    out.index_copy_(0, rows, out.index_select(0, rows) * kept_share)  # duplicates write equal rows
-    removed_share = (drop_sizes / new_sizes.gather(1, matched.dest)).reshape(-1, 1).to(tokens.dtype)
-    out.index_add_(0, rows, gather_tokens(tokens, matched.drop).reshape(-1, C) * removed_share)
-    return out.view(B, k, C), new_sizes
+    # Rows of the flattened batch: one selection copies the prefix and the kept tokens; then
+    # only the rows that receive tokens change: x_j s_j / S_j + sum_i x_i s_i / S_j (duplicate
+    # receiving rows write equal values), so the work beyond the copy grows with the removed.
+    image = torch.arange(B, device=tokens.device).unsqueeze(1)
+    source = matched.keep + P
+    if P:
+        source = torch.cat([torch.arange(P, device=tokens.device).expand(B, P), source], dim=1)
+    flat = tokens.reshape(B * L, C)
+    out = flat.index_select(0, (source + image * L).reshape(-1))
+    rows = (matched.dest + (image * (P + k) + P)).reshape(-1)
+    receiving = new_sizes.gather(1, matched.dest)
+    kept_share = (kept_sizes.gather(1, matched.dest) / receiving).reshape(-1, 1).to(tokens.dtype)
+    out.index_copy_(0, rows, out.index_select(0, rows) * kept_share)
+    removed_share = (drop_sizes / receiving).reshape(-1, 1).to(tokens.dtype)
+    out.index_add_(0, rows, flat.index_select(0, (matched.drop + (image * L + P)).reshape(-1)) * removed_share)
+    return out.view(B, P + k, C), new_sizes
 
 
 def size_bias(sizes: torch.Tensor, num_prefix: int, dtype: torch.dtype) -> torch.Tensor:
@@ -186,4 +198,4 @@ def size_bias(sizes: torch.Tensor, num_prefix: int, dtype: torch.dtype) -> torch
     once with ``+log s`` equals attending to ``s`` copies of it (prefix tokens hold one).
     """
     bias = torch.nn.functional.pad(sizes.log(), (num_prefix, 0))  # log 1 = 0 for prefix tokens
-    return bias.to(dtype)[:, None, None, :]
+    return bias.to(dtype).view(bias.shape[0], 1, 1, bias.shape[1])

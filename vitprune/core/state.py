@@ -187,8 +187,8 @@ class PruneState:
         else:
             matched = match_bipartite(metric, k, sizes)
         if config.reduction == "merge":
-            merged, sizes_kept = merge_tokens(x[:, P:], sizes, matched)
-            return torch.cat([x[:, :P], merged], dim=1), matched.keep, matched.drop, sizes_kept
+            merged, sizes_kept = merge_tokens(x, sizes, matched, P)
+            return merged, matched.keep, matched.drop, sizes_kept
         x = keep_or_fuse(x, matched.keep, matched.drop, P, config.reduction == "fuse", scores, config.T)
         return x, matched.keep, matched.drop, sizes.gather(1, matched.keep)
 
