@@ -276,3 +276,23 @@ def test_torch_export_and_compile_reproduce_eager(name):
     torch.testing.assert_close(exported[key], expected[key], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(compiled[key], expected[key], rtol=1e-5, atol=1e-5)
 
+
+
+@pytest.mark.parametrize("pretrained", [True, False])
+def test_a_full_clip_checkpoint_loads_as_its_vision_tower(tmp_path, pretrained):
+    from vitprune.data.hf_models import load_transformers_model
+
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    torch.manual_seed(0)
+    full = T.CLIPModel(T.CLIPConfig(vision_config=SIZES, text_config=text, projection_dim=16))
+    full.save_pretrained(tmp_path)
+    model, config, source = load_transformers_model(f"hf:{tmp_path}", pretrained)
+    assert type(model) is T.CLIPVisionModelWithProjection and source.startswith("pretrained" if pretrained else "random")
+    assert config["input_size"] == (3, 32, 32) and config["processor"] is None
+    for ours, theirs in [(model.vision_model.embeddings.patch_embedding, full.vision_model.embeddings.patch_embedding),
+                         (model.visual_projection, full.visual_projection)]:
+        assert ours.weight.shape == theirs.weight.shape
+        assert torch.equal(ours.weight, theirs.weight) == pretrained
+    vitprune.patch(model, keep_rate=0.7)
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 32, 32)).image_embeds.shape == (1, 16)

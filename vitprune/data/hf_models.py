@@ -6,6 +6,7 @@ Imported only when a command is given an ``hf:`` model, so ``transformers`` stay
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -49,11 +50,15 @@ def _model_class(config: Any) -> type:
 
 
 def _config_for(cls: type, config: Any) -> Any:
-    """The config ``cls`` takes: a tower's vision config out of a full image-text config."""
+    """The config ``cls`` takes: a tower's vision config out of a full image-text config,
+    with the full model's projection width (the tower's own config defaults to another)."""
     wanted = getattr(cls, "config_class", None)
-    if wanted is not None and not isinstance(config, wanted) and hasattr(config, "vision_config"):
-        return config.vision_config
-    return config
+    if wanted is None or isinstance(config, wanted) or not hasattr(config, "vision_config"):
+        return config
+    vision = copy.deepcopy(config.vision_config)
+    if hasattr(config, "projection_dim") and hasattr(vision, "projection_dim"):
+        vision.projection_dim = config.projection_dim
+    return vision
 
 
 def load_transformers_model(spec: str, pretrained: bool, seed: int = 0) -> Tuple[nn.Module, Dict[str, Any], str]:
@@ -82,7 +87,7 @@ def load_transformers_model(spec: str, pretrained: bool, seed: int = 0) -> Tuple
     cls = _model_class(config)
     if pretrained:
         try:
-            model = cls.from_pretrained(name)
+            model = cls.from_pretrained(name, config=_config_for(cls, config))
         except Exception as error:
             raise ValueError(f"cannot load pretrained weights for {name}: {str(error).splitlines()[0]}") from None
         source = "pretrained weights"
