@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Tuple
 from torch import nn
 
 
-def _vision_config(model: nn.Module) -> Any:
+def vision_config(model: nn.Module) -> Any:
     """A ``transformers`` model's vision config (its own config for a vision model), or ``None``."""
     config = getattr(model, "config", None)
     config = getattr(config, "vision_config", config)
@@ -31,7 +31,7 @@ def patch_conv(model: nn.Module) -> Optional[nn.Conv2d]:
     conv = getattr(getattr(model, "patch_embed", None), "proj", None)
     if isinstance(conv, nn.Conv2d):
         return conv
-    config = _vision_config(model)
+    config = vision_config(model)
     if config is not None:
         kernel = _pair(config.patch_size)
         return next((m for m in model.modules() if isinstance(m, nn.Conv2d) and tuple(m.kernel_size) == kernel),
@@ -44,7 +44,7 @@ def own_input_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     embed = getattr(model, "patch_embed", None)
     if getattr(embed, "img_size", None) is not None:
         return _pair(embed.img_size)
-    config = _vision_config(model)
+    config = vision_config(model)
     return None if config is None else _pair(config.image_size)
 
 

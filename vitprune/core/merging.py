@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .tokens import descending_order, flat_index, gather_tokens, select_top
+from .tokens import descending_order, gather_tokens, select_top
 
 
 class Matched(NamedTuple):

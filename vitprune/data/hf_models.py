@@ -13,6 +13,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from ..core.grid import vision_config
+
 #: How a command names a ``transformers`` model: ``hf:`` then a hub id or a local folder.
 PREFIX = "hf:"
 #: Full image-text models whose vision tower the commands load in their place.
@@ -116,7 +118,7 @@ def data_config(name: str, model: nn.Module) -> Dict[str, Any]:
     and ``"processor": None`` says so.
     """
     transformers = _transformers()
-    vision = getattr(model.config, "vision_config", model.config)
+    vision = vision_config(model)
     channels, side = int(getattr(vision, "num_channels", 3)), int(vision.image_size)
     try:
         processor = transformers.AutoImageProcessor.from_pretrained(name)

@@ -35,6 +35,7 @@ from transformers.models.siglip.modeling_siglip import (SiglipAttention, SiglipE
                                                         SiglipMultiheadAttentionPoolingHead, SiglipVisionModel)
 from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassification, ViTLayer, ViTModel
 
+from ..core.grid import vision_config
 from ..core.registry import REFUSED, Family, no_extras, register
 from ..core.state import Scored
 from .attention import attend, split_heads
@@ -56,11 +57,6 @@ class _Dropout:
 def _num_heads(attn: nn.Module) -> int:
     """Heads of a ``transformers`` attention module (``num_attention_heads`` or ``num_heads``)."""
     return getattr(attn, "num_attention_heads", None) or attn.num_heads
-
-
-def _vision_config(model: nn.Module) -> Any:
-    """The model's vision config (its own config for a vision-only model)."""
-    return getattr(model.config, "vision_config", model.config)
 
 
 def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
@@ -194,7 +190,7 @@ def _check(model: nn.Module) -> None:
 
 def _prefix(extra: int = 0):
     def prefix(model: nn.Module) -> int:
-        config = _vision_config(model)
+        config = vision_config(model)
         return 1 + extra + int(getattr(config, "num_register_tokens", 0) or 0)
     return prefix
 
