@@ -20,7 +20,7 @@ from torch import nn
 from ..core.config import PruneConfig
 from ..core.grid import num_patches
 from ..core.registry import blocks_of
-from .flops import schedule_flops
+from .flops import flop_counter
 
 
 def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
@@ -58,9 +58,10 @@ def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Seque
     if not target_gflops > 0:
         raise ValueError(f"target_gflops must be > 0, got {target_gflops!r}")
     depth, most = len(blocks_of(model)), num_patches(model, img_size) // 2
+    flops = flop_counter(model, img_size)
     for r in range(most + 1):
         for j in range(depth):
             config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size)
-            if schedule_flops(model, config, img_size) <= target_gflops * 1e9:
+            if flops(config) <= target_gflops * 1e9:
                 return config
     raise ValueError(f"token merging cannot reach {target_gflops:.4g} GFLOPs on this model (r up to {most})")

@@ -11,7 +11,7 @@ from torch import nn
 from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig
 from ..core.grid import input_size, num_patches
 from ..core.patching import check_model, check_model_overlap, check_options
-from .flops import schedule_flops
+from .flops import flop_counter, schedule_flops
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
@@ -84,8 +84,10 @@ def fit_keep_rate(
     _check_fit(model, _config(1.0, stages, fuse, overlap_stride, options), img_size)
     target = target_gflops * 1e9
 
+    counter = flop_counter(model, img_size)
+
     def flops(rate: float) -> int:
-        return schedule_flops(model, _config(rate, stages, fuse, overlap_stride, options), img_size)
+        return counter(_config(rate, stages, fuse, overlap_stride, options))
 
     if flops(1.0) <= target:
         return 1.0

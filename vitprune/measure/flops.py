@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from timm.models.vision_transformer import Block, ResPostBlock
@@ -78,18 +78,37 @@ def _linear_flops(modules: Iterable[nn.Module]) -> int:
                if isinstance(m, nn.Linear))
 
 
+class _BlockCost(NamedTuple):
+    """One block's products per token: its attention modules' Linear layers (at the tokens
+    the attention sees), its other Linear layers (the MLP, at the tokens after the
+    reduction), and the heads of its scored attention."""
+
+    attention: int
+    rest: int
+    heads: int
+
+
+def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module], Sequence[nn.Module]],
+                 heads_of: Callable[[nn.Module], int]) -> Tuple[_BlockCost, ...]:
+    costs = []
+    for block in blocks:
+        attention = attention_of(block)
+        inside = {id(m) for module in attention for m in module.modules()}
+        rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+        costs.append(_BlockCost(_linear_flops(attention), _linear_flops(rest), heads_of(block)))
+    return tuple(costs)
+
+
 @dataclass(frozen=True)
 class _Layout:
-    """What the analytic count reads of a model: its patch convolution, width, blocks (each
-    with the attention modules that see the attention's tokens, the rest seeing the MLP's),
-    prefix tokens, and the cost of what follows the blocks given the tokens left."""
+    """What the analytic count reads of a model: its patch convolution, width, the products
+    of each block, prefix tokens, and the cost of what follows the blocks given the tokens
+    left. Worked out once per count (fits count many schedules of one model)."""
 
     conv: nn.Conv2d
     width: int
-    blocks: Sequence[nn.Module]
+    blocks: Tuple[_BlockCost, ...]
     prefix: int
-    attention_of: Callable[[nn.Module], Sequence[nn.Module]]
-    heads_of: Callable[[nn.Module], int]
     after_blocks: Callable[[int], int]
 
 
@@ -110,8 +129,8 @@ def _timm_layout(model: nn.Module) -> _Layout:
         raise _refuse(model)
     head = getattr(model, "head", None)
     head_flops = head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
-    return _Layout(conv=embed.proj, width=model.embed_dim, blocks=list(blocks), prefix=model.num_prefix_tokens,
-                   attention_of=lambda block: [block.attn], heads_of=lambda block: block.attn.num_heads,
+    costs = _block_costs(blocks, lambda block: [block.attn], lambda block: block.attn.num_heads)
+    return _Layout(conv=embed.proj, width=model.embed_dim, blocks=costs, prefix=model.num_prefix_tokens,
                    after_blocks=lambda tokens: head_flops)
 
 
@@ -138,9 +157,9 @@ def _library_layout(model: nn.Module, family: Family) -> _Layout:
     def after_blocks(tokens: int) -> int:
         return once_flops + sum(_pooling_attention_flops(pool, tokens) for pool in pools)
 
-    return _Layout(conv=conv, width=conv.out_channels, blocks=list(blocks), prefix=family.prefix_of(model),
-                   attention_of=lambda block: list(family.attention_modules(block).values()),
-                   heads_of=family.heads, after_blocks=after_blocks)
+    costs = _block_costs(blocks, lambda block: list(family.attention_modules(block).values()), family.heads)
+    return _Layout(conv=conv, width=conv.out_channels, blocks=costs, prefix=family.prefix_of(model),
+                   after_blocks=after_blocks)
 
 
 def _layout(model: nn.Module) -> _Layout:
@@ -173,25 +192,36 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
         TypeError: For models this formula does not describe (parallel blocks, a CNN
             stem, other families): use :func:`count_flops` (fvcore) for those.
     """
+    return flop_counter(model, img_size)(config)
+
+
+def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
+                 ) -> Callable[[Optional[PruneConfig]], int]:
+    """:func:`schedule_flops` of ``model`` for any config, reading the model once: what the
+    budget fits call, which count many schedules of one model.
+
+    Raises:
+        TypeError: As :func:`schedule_flops`, at once.
+    """
     layout = _layout(model)
     conv, C, prefix = layout.conv, layout.width, layout.prefix
-    patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
-    depth = len(layout.blocks)
-    if config is not None:
-        config = config.resolve(depth, patches)
-    schedule = token_schedule(config, depth, prefix, patches)
-
     kh, kw = conv.kernel_size
-    total = patches * C * conv.in_channels * kh * kw
-    for index, (block, tokens) in enumerate(zip(layout.blocks, schedule)):
-        attention = layout.attention_of(block)
-        inside = {id(m) for module in attention for m in module.modules()}
-        rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
-        L = tokens.attn
-        total += L * _linear_flops(attention) + 2 * L * L * C + tokens.mlp * _linear_flops(rest)
-        if config is not None and index in config.stages:
-            total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, layout.heads_of(block))
-    return total + layout.after_blocks(schedule[-1].mlp)
+    depth = len(layout.blocks)
+
+    def count(config: Optional[PruneConfig]) -> int:
+        patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
+        if config is not None:
+            config = config.resolve(depth, patches)
+        schedule = token_schedule(config, depth, prefix, patches)
+        total = patches * C * conv.in_channels * kh * kw
+        for index, (cost, tokens) in enumerate(zip(layout.blocks, schedule)):
+            L = tokens.attn
+            total += L * cost.attention + 2 * L * L * C + tokens.mlp * cost.rest
+            if config is not None and index in config.stages:
+                total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
+        return total + layout.after_blocks(schedule[-1].mlp)
+
+    return count
 
 
 def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
