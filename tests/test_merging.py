@@ -12,7 +12,8 @@ from conftest import PAPER, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
-from vitprune.core.merging import Matched, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from vitprune.core.merging import (Matched, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
+                                   merge_tokens, size_bias)
 
 
 def unit(*rows):
@@ -93,6 +94,46 @@ def test_match_bipartite_alternates_and_concatenates_as_token_merging_does():
     assert matched.keep.tolist() == [[0, 4]]
     assert matched.drop.tolist() == [[1, 2, 3]]
     assert matched.dest.tolist() == [[0, 1, 1]]  # 3 followed 2 into 4
+
+
+def test_bipartite_merge_by_hand():
+    # one prefix token, patches 0..4 with one head whose keys are the rows below: destinations
+    # 0, 2, 4; candidate 1 is closest to 0 (cosine 0.99...), candidate 3 to 2 but less so
+    keys = torch.tensor([[9, 9], [1, 0], [1, 0.1], [0, 1], [0.5, 1], [-1, 0]], dtype=torch.float32)[None, None]
+    tokens = torch.tensor([[5.0], [10.0], [20.0], [30.0], [40.0], [50.0]])[None]
+    sizes = torch.tensor([[1.0, 3.0, 1.0, 1.0, 2.0]])
+    merged, keep, new_sizes = bipartite_merge(tokens, keys, sizes, 4, 1)
+    assert keep.tolist() == [[3, 0, 2, 4]]  # [candidate that stays, destinations]
+    # destination 0 (size 1) receives candidate 1 (size 3): (1 * 10 + 3 * 20) / 4
+    assert_close(merged, torch.tensor([[[5.0], [40.0], [70 / 4], [30.0], [50.0]]]))
+    assert new_sizes.tolist() == [[1.0, 4.0, 1.0, 2.0]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
+    """The defaults' one-round path against the general selection and merge it replaces."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(40):
+        B, P, n = (int(torch.randint(low, high, (1,), generator=g)) for low, high in ((1, 4), (0, 3), (2, 40)))
+        k = int(torch.randint((n + 1) // 2, n, (1,), generator=g))
+        tokens, keys = torch.randn(B, P + n, 8, generator=g), torch.randn(B, 3, P + n, 4, generator=g)
+        keys[:, :, P + 1] = keys[:, :, P]  # a tie: candidate 0 is as close to destination 0 as can be
+        sizes = torch.randint(1, 5, (B, n), generator=g).float()
+        matched = match_bipartite(key_metric(keys, P), k)
+        expected, expected_sizes = merge_tokens(tokens, sizes, matched, P)
+        merged, keep, new_sizes = bipartite_merge(tokens, keys, sizes, k, P)
+        assert torch.equal(merged, expected) and torch.equal(new_sizes, expected_sizes)
+        assert torch.equal(keep, matched.keep)
+
+
+def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
+    tokens, keys = torch.randn(1, 7, 4, requires_grad=True), torch.randn(1, 2, 7, 4)
+    with pytest.raises(ValueError, match="between ceil"):
+        bipartite_merge(tokens, keys, torch.ones(1, 6), 2, 1)
+    bipartite_merge(tokens, keys, torch.ones(1, 6), 4, 1)[0].sum().backward()
+    assert (tokens.grad.abs().sum(-1) > 0).all()  # every token reaches the output
+    empty = bipartite_merge(torch.randn(0, 7, 4), torch.randn(0, 2, 7, 4), torch.ones(0, 6), 4, 1)
+    assert [t.shape for t in empty] == [(0, 5, 4), (0, 4), (0, 4)]
 
 
 def test_key_metric_averages_heads_and_skips_the_prefix():

@@ -11,7 +11,7 @@ import torch
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
-from .merging import key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from .merging import bipartite_merge, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
 from .tokens import keep_or_fuse, prune_tokens
 
 
@@ -34,6 +34,7 @@ class ForwardRecords:
     def __init__(self) -> None:
         self.positions: Dict[int, torch.Tensor] = {}
         self.stage_sizes: Dict[int, torch.Tensor] = {}
+        self.stage_bias: Dict[int, torch.Tensor] = {}  # size_aware: each stage's size_bias
         self.sizes: Optional[torch.Tensor] = None
         self.patches: Optional[int] = None  # patch tokens entering the first stage
 
@@ -127,10 +128,11 @@ class PruneState:
         """
         if stage == 0:  # a fresh object, not reads of the last forward's: no torch.compile guards on them
             self._local.records = ForwardRecords()
-        sizes = self._sizes_after(follow, x)
-        if not self.config.size_aware or sizes is None:
+        # worked out by the stage that reduced (in ``prune``, among its other small operations)
+        bias = None if follow is None else self.records.stage_bias.get(follow)
+        if bias is None or bias.shape[0] != x.shape[0] or bias.shape[-1] != x.shape[1]:
             return None
-        return size_bias(sizes, self.num_prefix, x.dtype)
+        return bias
 
     def _sizes_after(self, stage: Optional[int], x: torch.Tensor) -> Optional[torch.Tensor]:
         """The token sizes stage ``stage`` left, if they describe ``x``'s tokens."""
@@ -146,36 +148,43 @@ class PruneState:
         if stage == 0:
             self.records.patches = n
         previous = self.positions.get(stage - 1)
-        if previous is None or previous.shape != (B, n):
-            previous = torch.arange(n, device=x.device).expand(B, n)
+        if previous is not None and previous.shape != (B, n):
+            previous = None  # not this input's: the tokens arrive in patch order
 
         config = self.config
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
         scores = self.scores(scored.row) if self.needs_scores else None
         k = keep_count(config.keep_rate[stage], n)
         sizes = self._sizes_after(stage - 1, x)
+        records = self.records
         if k == n:
-            self.positions[stage] = previous
+            records.positions[stage] = torch.arange(n, device=x.device).expand(B, n) if previous is None else previous
             if sizes is not None:
-                self.stage_sizes[stage] = sizes
+                records.stage_sizes[stage] = sizes
+                if stage - 1 in records.stage_bias:
+                    records.stage_bias[stage] = records.stage_bias[stage - 1]
             return x
         if sizes is None:
             sizes = x.new_ones((B, n), dtype=torch.float32)
         x, keep, drop, sizes_kept = self._reduce(x, scored, scores, sizes, k)
-        kept = previous.gather(1, keep)
+        kept = keep if previous is None else previous.gather(1, keep)
         if x.shape[1] - P > k:  # the fusion token
             kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
-        records = self.records
         records.positions[stage] = kept
         records.stage_sizes[stage] = records.sizes = sizes_kept
+        if config.size_aware:
+            records.stage_bias[stage] = size_bias(sizes_kept, P, x.dtype)
         return x
 
     def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,
-                k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                k: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
         """The selection and reduction of the config: the new tokens, the kept and removed
-        indices, and the kept tokens' sizes."""
+        indices (removed: ``None`` where no fusion token needs them), and the kept tokens' sizes."""
         config, P = self.config, self.num_prefix
+        if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= sizes.shape[1]:
+            merged, keep, sizes_kept = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
+            return merged, keep, None, sizes_kept
         if config.selection == "top" and config.reduction != "merge":
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
             return x, sel.keep, sel.drop, sizes.gather(1, sel.keep)
