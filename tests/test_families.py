@@ -155,3 +155,26 @@ def test_parallel_things_block_scores_the_heads_of_every_branch():
             model(images(model))
     assert len(rows) == 2 and seen[0].shape == (3, 2 * 3, 16)
     torch.testing.assert_close(seen[0], torch.cat(rows, dim=1))
+
+
+def test_member_reads_what_getattr_reads_without_its_exception():
+    from vitprune.families.attention import member
+
+    class Odd(torch.nn.Module):
+        kind = "class attribute"
+
+        def __init__(self):
+            super().__init__()
+            self.q_bias = torch.nn.Parameter(torch.zeros(2))
+            self.norm = torch.nn.Identity()
+            self.register_buffer("table", torch.ones(1))
+            self.gate = None
+            self.groups = 3
+
+        @property
+        def heads(self):
+            return 4
+
+    module = Odd()
+    for name in ("q_bias", "norm", "table", "gate", "groups", "kind", "heads", "absent"):
+        assert member(module, name, "default") is getattr(module, name, "default"), name

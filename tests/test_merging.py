@@ -12,7 +12,7 @@ from conftest import PAPER, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
-from vitprune.core.merging import (Matched, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
+from vitprune.core.merging import (Matched, bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
                                    merge_tokens, size_bias)
 
 
@@ -102,8 +102,9 @@ def test_bipartite_merge_by_hand():
     keys = torch.tensor([[9, 9], [1, 0], [1, 0.1], [0, 1], [0.5, 1], [-1, 0]], dtype=torch.float32)[None, None]
     tokens = torch.tensor([[5.0], [10.0], [20.0], [30.0], [40.0], [50.0]])[None]
     sizes = torch.tensor([[1.0, 3.0, 1.0, 1.0, 2.0]])
-    merged, keep, new_sizes = bipartite_merge(tokens, keys, sizes, 4, 1)
-    assert keep.tolist() == [[3, 0, 2, 4]]  # [candidate that stays, destinations]
+    merged, new_sizes, stays = bipartite_merge(tokens, keys, sizes, 4, 1)
+    assert stays.tolist() == [[1]]  # candidate 1 is patch 3
+    assert bipartite_keep(stays, 5).tolist() == [[3, 0, 2, 4]]  # [candidate that stays, destinations]
     # destination 0 (size 1) receives candidate 1 (size 3): (1 * 10 + 3 * 20) / 4
     assert_close(merged, torch.tensor([[[5.0], [40.0], [70 / 4], [30.0], [50.0]]]))
     assert new_sizes.tolist() == [[1.0, 4.0, 1.0, 2.0]]
@@ -121,9 +122,9 @@ def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
         sizes = torch.randint(1, 5, (B, n), generator=g).float()
         matched = match_bipartite(key_metric(keys, P), k)
         expected, expected_sizes = merge_tokens(tokens, sizes, matched, P)
-        merged, keep, new_sizes = bipartite_merge(tokens, keys, sizes, k, P)
+        merged, new_sizes, stays = bipartite_merge(tokens, keys, sizes, k, P)
         assert torch.equal(merged, expected) and torch.equal(new_sizes, expected_sizes)
-        assert torch.equal(keep, matched.keep)
+        assert torch.equal(bipartite_keep(stays, n), matched.keep)
 
 
 def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
@@ -133,7 +134,7 @@ def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
     bipartite_merge(tokens, keys, torch.ones(1, 6), 4, 1)[0].sum().backward()
     assert (tokens.grad.abs().sum(-1) > 0).all()  # every token reaches the output
     empty = bipartite_merge(torch.randn(0, 7, 4), torch.randn(0, 2, 7, 4), torch.ones(0, 6), 4, 1)
-    assert [t.shape for t in empty] == [(0, 5, 4), (0, 4), (0, 4)]
+    assert [t.shape for t in empty] == [(0, 5, 4), (0, 4), (0, 1)]
 
 
 def test_key_metric_averages_heads_and_skips_the_prefix():
@@ -158,6 +159,24 @@ def test_size_aware_attention_equals_attending_to_repeated_tokens(fused):
         # the class row over a merged token is the sum of its copies' rows
         copies = torch.zeros_like(scored.row[b:b + 1]).index_add_(2, torch.tensor(index[1:]) - 1, plain.row)
         assert_close(scored.row[b:b + 1], copies, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"reduction": "fuse"}, {"keep_rate": 0.4, "stages": "all"}])
+def test_positions_worked_out_when_read_equal_those_worked_out_at_once(tiny, monkeypatch, options):
+    """Eager forwards defer the kept positions until read; compiled and traced ones cannot."""
+    model = vitprune.patch(tiny, **{"keep_rate": 0.7, **options})
+    x = image_batch(model)
+    with torch.no_grad():
+        model(x)
+        deferred = vitprune.kept_positions(model)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        model(x)
+        at_once = vitprune.kept_positions(model)
+    assert len(deferred) == len(at_once) == len(model.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(deferred, at_once))
+    # every stage's positions name distinct patches of the input (the fusion token: -1)
+    last = at_once[-1]
+    assert all(len(set(row[row >= 0].tolist())) == int((row >= 0).sum()) for row in last)
 
 
 def test_size_bias_is_log_size_and_zero_for_prefix_tokens():

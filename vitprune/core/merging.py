@@ -199,7 +199,7 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
 
     The step runs in every block, and a batch-1 CPU forward pays per operation rather than
     per byte there (each costs a few microseconds after the block's matrix products), so the
-    indices are built once, as rows of the flattened batch, instead of per selection and merge.
+    rows are indexed once, in the flattened batch, for the selection and the merge alike.
 
     Args:
         tokens: ``(B, P + n, C)``.
@@ -209,8 +209,8 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
         num_prefix: ``P``.
 
     Returns:
-        The ``(B, P + k, C)`` tokens, the ``(B, k)`` kept indices (``match_bipartite``'s
-        ``keep``) and their ``(B, k)`` sizes.
+        The ``(B, P + k, C)`` tokens, their ``(B, k)`` sizes, and the ``(B, k - ceil(n / 2))``
+        candidates that stay, in order (:func:`bipartite_keep` makes the kept indices of them).
     """
     B, L, C = tokens.shape
     P = num_prefix
@@ -221,16 +221,14 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     metric = key_metric(keys, P)  # no gradient reaches it: only indices leave the matching
     best, partner = torch.bmm(metric[:, 1::2], metric[:, 0::2].mT).max(dim=-1)
     ranked = descending_order(best)
-    removed = ranked[:, :n - k]
-    # flattened-batch rows: image b's token t is row b L + t; candidate c is token P + 2 c + 1
+    removed, stays = ranked[:, :n - k], ranked[:, n - k:].sort(dim=1).values
+    m = stays.shape[1]
+    # rows of the flattened batch: image b's token t is row b L + t, candidate c is token P + 2 c + 1
     grid = torch.arange(B * L, device=tokens.device).view(B, L)
-    candidate_rows = torch.add(grid[:, P + 1:P + 2], ranked, alpha=2)
-    drop_rows = candidate_rows[:, :n - k].reshape(-1)
-    stay_rows = candidate_rows[:, n - k:].sort(dim=1).values  # the same order as the candidates'
-    m = stay_rows.shape[1]
-    source = torch.cat([grid[:, :P], stay_rows, grid[:, P::2]], dim=1)  # prefix, stays, destinations
+    first_candidate = grid[:, P + 1:P + 2]
+    source = torch.cat([grid[:, :P], torch.add(first_candidate, stays, alpha=2), grid[:, P::2]], dim=1)
     flat = tokens.reshape(B * L, C)
-    out = flat.index_select(0, source.view(-1))
+    out = flat.index_select(0, source.view(-1))  # prefix, candidates that stay, destinations
 
     dest = partner.gather(1, removed)  # each removed candidate's destination, 0.. among the evens
     src_sizes, dst_sizes = sizes[:, 1::2], sizes[:, 0::2]
@@ -240,10 +238,16 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     rows = (dest + torch.arange(P + m, B * (P + k) + P + m, P + k, device=tokens.device).view(B, 1)).view(-1)
     kept_share = _as(dst_sizes.gather(1, dest) / receiving, tokens.dtype)
     out.index_copy_(0, rows, out.index_select(0, rows) * kept_share)
+    drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
     out.index_add_(0, rows, flat.index_select(0, drop_rows) * _as(moved / receiving, tokens.dtype))
-    keep = source[:, P:] - grid[:, P:P + 1]
-    stay_sizes = src_sizes.gather(1, (keep[:, :m] - 1) // 2)
-    return out.view(B, P + k, C), keep, torch.cat([stay_sizes, new_dst], dim=1)
+    return out.view(B, P + k, C), torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays
+
+
+def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
+    """The kept indices of :func:`bipartite_merge` over ``n`` tokens, as ``match_bipartite``
+    gives them: the candidates that stay (``stays``, ``(B, m)``), then every destination."""
+    destinations = torch.arange(0, n, 2, device=stays.device).expand(stays.shape[0], -1)
+    return torch.cat([stays * 2 + 1, destinations], dim=1)
 
 
 def _as(share: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

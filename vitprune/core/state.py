@@ -3,16 +3,17 @@ forward kept."""
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
-from .merging import bipartite_merge, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
-from .tokens import keep_or_fuse, prune_tokens
+from .merging import bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from .tokens import is_exporting, keep_or_fuse, prune_tokens
 
 
 class Scored(NamedTuple):
@@ -28,15 +29,45 @@ class Scored(NamedTuple):
     keys: torch.Tensor
 
 
+#: Works out a stage's positions from those of the stage before it (``None`` at the first).
+MakePositions = Callable[[Optional[torch.Tensor]], torch.Tensor]
+
+
 class ForwardRecords:
-    """What one forward kept (see :class:`PruneState`); one per thread, replaced at stage 0."""
+    """What one forward kept (see :class:`PruneState`); one per thread, replaced at stage 0.
+
+    A stage's positions are worked out when first read (``positions``): most forwards never
+    read them, and in eager mode each operation a reduction step saves is worth more than
+    its size (see ``merging.bipartite_merge``). Compiled and traced forwards work them out
+    at once.
+    """
 
     def __init__(self) -> None:
-        self.positions: Dict[int, torch.Tensor] = {}
+        self._positions: Dict[int, torch.Tensor] = {}
+        self._pending: Dict[int, Tuple[Optional[int], MakePositions]] = {}
+        self.counts: Dict[int, Tuple[int, int]] = {}  # each stage's positions' shape, known before they are
         self.stage_sizes: Dict[int, torch.Tensor] = {}
         self.stage_bias: Dict[int, torch.Tensor] = {}  # size_aware: each stage's size_bias
         self.sizes: Optional[torch.Tensor] = None
         self.patches: Optional[int] = None  # patch tokens entering the first stage
+
+    @property
+    def positions(self) -> Dict[int, torch.Tensor]:
+        """Stage number -> ``(B, n)`` positions (see :class:`PruneState`)."""
+        for stage in sorted(self._pending):
+            previous, make = self._pending.pop(stage)
+            self._positions[stage] = make(None if previous is None else self._positions[previous])
+        return self._positions
+
+    def record_positions(self, stage: int, previous: Optional[int], shape: Tuple[int, int],
+                         make: MakePositions) -> None:
+        """Stage ``stage``'s positions are ``make`` of stage ``previous``'s (``None``: it
+        received the patches in order); ``shape`` is theirs."""
+        self.counts[stage] = shape
+        if torch.compiler.is_compiling() or is_exporting() or torch.jit.is_tracing():
+            self._positions[stage] = make(None if previous is None else self.positions[previous])
+        else:
+            self._pending[stage] = (previous, make)
 
 
 class PruneState:
@@ -130,35 +161,33 @@ class PruneState:
             self._local.records = ForwardRecords()
         # worked out by the stage that reduced (in ``prune``, among its other small operations)
         bias = None if follow is None else self.records.stage_bias.get(follow)
-        if bias is None or bias.shape[0] != x.shape[0] or bias.shape[-1] != x.shape[1]:
+        if bias is None:
             return None
-        return bias
+        shape = x.shape
+        return bias if bias.shape[0] == shape[0] and bias.shape[-1] == shape[1] else None
 
-    def _sizes_after(self, stage: Optional[int], x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The token sizes stage ``stage`` left, if they describe ``x``'s tokens."""
-        sizes = None if stage is None else self.stage_sizes.get(stage)
-        if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix):
-            return None
-        return sizes
+    @staticmethod
+    def _sizes_after(records: ForwardRecords, stage: int, shape: Tuple[int, int]) -> Optional[torch.Tensor]:
+        """The token sizes stage ``stage`` left, if they are ``shape`` (this input's)."""
+        sizes = records.stage_sizes.get(stage)
+        return None if sizes is None or sizes.shape != shape else sizes
 
     def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
         """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`."""
-        P = self.num_prefix
+        P, records = self.num_prefix, self.records
         B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
         if stage == 0:
-            self.records.patches = n
-        previous = self.positions.get(stage - 1)
-        if previous is not None and previous.shape != (B, n):
-            previous = None  # not this input's: the tokens arrive in patch order
+            records.patches = n
+        # the last stage's positions index these tokens only if they are this input's
+        previous = stage - 1 if records.counts.get(stage - 1) == (B, n) else None
 
         config = self.config
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
         scores = self.scores(scored.row) if self.needs_scores else None
         k = keep_count(config.keep_rate[stage], n)
-        sizes = self._sizes_after(stage - 1, x)
-        records = self.records
+        sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
-            records.positions[stage] = torch.arange(n, device=x.device).expand(B, n) if previous is None else previous
+            records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))
             if sizes is not None:
                 records.stage_sizes[stage] = sizes
                 if stage - 1 in records.stage_bias:
@@ -167,24 +196,25 @@ class PruneState:
         if sizes is None:
             sizes = x.new_ones((B, n), dtype=torch.float32)
         x, keep, drop, sizes_kept = self._reduce(x, scored, scores, sizes, k)
-        kept = keep if previous is None else previous.gather(1, keep)
-        if x.shape[1] - P > k:  # the fusion token
-            kept = torch.cat([kept, kept.new_full((B, 1), -1)], dim=1)
+        fused = int(x.shape[1]) - P > k  # a fusion token at the end
+        if fused:
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
-        records.positions[stage] = kept
+        records.record_positions(stage, previous, (B, k + int(fused)), functools.partial(_kept, keep, fused))
         records.stage_sizes[stage] = records.sizes = sizes_kept
         if config.size_aware:
             records.stage_bias[stage] = size_bias(sizes_kept, P, x.dtype)
         return x
 
     def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,
-                k: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """The selection and reduction of the config: the new tokens, the kept and removed
-        indices (removed: ``None`` where no fusion token needs them), and the kept tokens' sizes."""
+                k: int) -> Tuple[torch.Tensor, Union[torch.Tensor, Callable[[], torch.Tensor]], Optional[torch.Tensor],
+                                 torch.Tensor]:
+        """The selection and reduction of the config: the new tokens, the kept indices (or a
+        function giving them, when nothing else needs them), the removed ones (``None`` where no
+        fusion token needs them), and the kept tokens' sizes."""
         config, P = self.config, self.num_prefix
         if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= sizes.shape[1]:
-            merged, keep, sizes_kept = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
-            return merged, keep, None, sizes_kept
+            merged, sizes_kept, stays = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
+            return merged, functools.partial(bipartite_keep, stays, sizes.shape[1]), None, sizes_kept
         if config.selection == "top" and config.reduction != "merge":
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
             return x, sel.keep, sel.drop, sizes.gather(1, sel.keep)
@@ -204,3 +234,17 @@ class PruneState:
     def kept_positions(self) -> List[torch.Tensor]:
         """``positions`` as a list in stage order (see the class docs)."""
         return [self.positions[s] for s in sorted(self.positions)]
+
+
+def _unchanged(B: int, n: int, device: torch.device, previous: Optional[torch.Tensor]) -> torch.Tensor:
+    """A stage that kept every token: the positions it received."""
+    return torch.arange(n, device=device).expand(B, n) if previous is None else previous
+
+
+def _kept(keep: Union[torch.Tensor, Callable[[], torch.Tensor]], fused: bool,
+          previous: Optional[torch.Tensor]) -> torch.Tensor:
+    """A stage that kept ``keep`` (indices into its input, or a function giving them), and a
+    fusion token (``-1``) after them when ``fused``."""
+    keep = keep() if callable(keep) else keep
+    kept = keep if previous is None else previous.gather(1, keep)
+    return torch.cat([kept, kept.new_full((kept.shape[0], 1), -1)], dim=1) if fused else kept

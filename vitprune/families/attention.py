@@ -9,7 +9,7 @@ needs the matrix, so pruning blocks of such models run timm's explicit attention
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,17 @@ def attend(
     return out, Scored(row, k)
 
 
+def member(module: nn.Module, name: str, default: Any = None) -> Any:
+    """``getattr(module, name, default)`` without the exception ``Module.__getattr__`` raises
+    for an absent name: this runs in every block, where building the exception's message
+    cost more than the lookup (a few microseconds per absent name)."""
+    attributes = module.__dict__
+    for store in (attributes["_parameters"], attributes["_modules"], attributes["_buffers"], attributes):
+        if name in store:
+            return store[name]
+    return getattr(module, name) if hasattr(type(module), name) else default  # class attributes, properties
+
+
 def split_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
     """``(B, N, heads * d)`` as ``(B, N, heads, d)``; ``d`` explicit, so an empty batch works."""
     return y.reshape(*y.shape[:-1], heads, y.shape[-1] // heads)
@@ -125,7 +136,7 @@ def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, t
     separate ``q_proj``/``k_proj``/``v_proj`` (grouped key/value heads allowed)."""
     B, N, _ = x.shape
     if attn.qkv is not None:
-        bias = getattr(attn, "q_bias", None)
+        bias = member(attn, "q_bias")
         if bias is None:
             qkv = attn.qkv(x)
         elif attn.qkv_bias_separate:
@@ -134,7 +145,7 @@ def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, t
             qkv = F.linear(x, weight=attn.qkv.weight, bias=torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
         head_dim = qkv.shape[-1] // (3 * attn.num_heads)  # not -1: an empty batch reshapes too
         return qkv.reshape(B, N, 3, attn.num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    kv_heads = getattr(attn, "num_kv_heads", attn.num_heads)
+    kv_heads = member(attn, "num_kv_heads", attn.num_heads)
     q = split_heads(attn.q_proj(x), attn.num_heads).transpose(1, 2)
     k = split_heads(attn.k_proj(x), kv_heads).transpose(1, 2)
     v = split_heads(attn.v_proj(x), kv_heads).transpose(1, 2)
@@ -177,22 +188,22 @@ def attention_with_row(
         The attention output ``(B, P + N, C)`` and the :class:`Scored` row and keys (the
         row after the rotation and bias, as the attention sees them).
     """
-    gate_layer = getattr(attn, "gate", None)
+    gate_layer = member(attn, "gate")
     gate = gate_layer(x).sigmoid() if gate_layer is not None else None
     q, k, v = project_qkv(attn, x)
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    q_norm, k_norm = member(attn, "q_norm"), member(attn, "k_norm")
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     if rope is not None:
-        npt, half = attn.num_prefix_tokens, getattr(attn, "rotate_half", False)
+        npt, half = attn.num_prefix_tokens, member(attn, "rotate_half", False)
         q, k = rotate(q, rope, npt, half).type_as(v), rotate(k, rope, npt, half).type_as(v)
-    groups = getattr(attn, "num_kv_groups", 1)
+    groups = member(attn, "num_kv_groups", 1)
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, row = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
                       num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).flatten(2)
-    norm = getattr(attn, "norm", None)
+    norm = member(attn, "norm")
     if norm is not None:
         out = norm(out)
     if gate is not None:
