@@ -16,3 +16,4 @@ for model in deit_small_patch16_224 vit_base_patch16_224; do
   vitprune bench --model "$model" "${common[@]}" --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
 done
 python examples/gpu_checks.py | tee "$out/gpu_checks.txt"
+python examples/gpu_host_time.py | tee "$out/gpu_host_time.txt"
