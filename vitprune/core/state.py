@@ -12,7 +12,8 @@ import torch
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
-from .merging import bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top, merge_tokens, size_bias
+from .merging import (bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
+                      merge_tokens, size_bias)
 from .tokens import is_exporting, keep_or_fuse, prune_tokens
 
 
