@@ -12,8 +12,8 @@ from conftest import PAPER, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
-from vitprune.core.merging import (Matched, bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
-                                   merge_tokens, size_bias)
+from vitprune.core.merging import (Matched, bipartite_keep, bipartite_merge, key_metric, match_bipartite,
+                                   match_redundant, match_top, merge_tokens, size_bias)
 
 
 def unit(*rows):
