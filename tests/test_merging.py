@@ -127,6 +127,30 @@ def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
         assert torch.equal(bipartite_keep(stays, n), matched.keep)
 
 
+def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merging(tiny, monkeypatch):
+    import vitprune.core.state as state_module
+
+    def general(tokens, keys, sizes, k, num_prefix):
+        matched = match_bipartite(key_metric(keys, num_prefix), k)
+        merged, new_sizes = merge_tokens(tokens, sizes, matched, num_prefix)
+        stays = (matched.keep[:, :k - (sizes.shape[1] + 1) // 2] - 1) // 2
+        return merged, new_sizes, stays
+
+    model = vitprune.patch(tiny, keep_rate=0.7)
+    x = image_batch(model, batch=3)
+    runs = []
+    for _ in range(2):
+        with torch.no_grad():
+            out = model(x)
+        state = model.vitprune_state
+        runs.append((out, vitprune.kept_positions(model), state.sizes.clone()))
+        monkeypatch.setattr(state_module, "bipartite_merge", general)
+    (fast, fast_positions, fast_sizes), (slow, slow_positions, slow_sizes) = runs
+    assert torch.equal(fast, slow) and torch.equal(fast_sizes, slow_sizes)
+    assert len(fast_positions) == len(model.blocks)
+    assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
+
+
 def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
     tokens, keys = torch.randn(1, 7, 4, requires_grad=True), torch.randn(1, 2, 7, 4)
     with pytest.raises(ValueError, match="between ceil"):
