@@ -14,7 +14,7 @@ from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
 from .merging import (bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
                       merge_tokens, size_bias)
-from .tokens import is_exporting, keep_or_fuse, prune_tokens
+from .tokens import is_compiling, is_exporting, keep_or_fuse, prune_tokens
 
 
 class Scored(NamedTuple):
@@ -65,7 +65,7 @@ class ForwardRecords:
         """Stage ``stage``'s positions are ``make`` of stage ``previous``'s (``None``: it
         received the patches in order); ``shape`` is theirs."""
         self.counts[stage] = shape
-        if torch.compiler.is_compiling() or is_exporting() or torch.jit.is_tracing():
+        if is_compiling() or is_exporting() or torch.jit.is_tracing():
             self._positions[stage] = make(None if previous is None else self.positions[previous])
         else:
             self._pending[stage] = (previous, make)
@@ -234,7 +234,8 @@ class PruneState:
 
     def kept_positions(self) -> List[torch.Tensor]:
         """``positions`` as a list in stage order (see the class docs)."""
-        return [self.positions[s] for s in sorted(self.positions)]
+        positions = self.positions
+        return [positions[s] for s in sorted(positions)]
 
 
 def _unchanged(B: int, n: int, device: torch.device, previous: Optional[torch.Tensor]) -> torch.Tensor:

@@ -11,6 +11,16 @@ import torch
 is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
+def _dynamo_is_compiling() -> bool:  # torch < 2.3 has no torch.compiler.is_compiling
+    import torch._dynamo
+
+    return torch._dynamo.is_compiling()
+
+
+#: Whether torch.compile (dynamo) is tracing.
+is_compiling = getattr(torch.compiler, "is_compiling", None) or _dynamo_is_compiling
+
+
 class Selection(NamedTuple):
     """Which of ``n`` tokens stay, per image.
 

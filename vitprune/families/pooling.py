@@ -26,15 +26,8 @@ import torch
 from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
+from ..core.tokens import is_compiling
 
-
-def _dynamo_is_compiling() -> bool:  # torch < 2.3 has no torch.compiler.is_compiling
-    import torch._dynamo
-
-    return torch._dynamo.is_compiling()
-
-
-_is_compiling = getattr(torch.compiler, "is_compiling", None) or _dynamo_is_compiling
 
 #: The attribute ``forward_features`` sets on the features it returns: their token sizes.
 SIZES_ATTR = "_vitprune_sizes"
@@ -48,7 +41,7 @@ def size_weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tenso
 
 def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
     """Record ``sizes`` on ``features`` (eager only: traced graphs pool in-graph)."""
-    if not _is_compiling() and isinstance(features, torch.Tensor):
+    if not is_compiling() and isinstance(features, torch.Tensor):
         setattr(features, SIZES_ATTR, sizes)
     return features
 
@@ -66,12 +59,12 @@ class PrunedModel:
                 ``x``'s sizes cannot be known.
         """
         state = self.__dict__.get("vitprune_state")
-        if not _is_compiling() and hasattr(x, SIZES_ATTR):
+        if not is_compiling() and hasattr(x, SIZES_ATTR):
             return getattr(x, SIZES_ATTR)
         sizes = None if state is None else state.sizes
         if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix_tokens):
             return None
-        if not _is_compiling() and bool((sizes != 1).any()):
+        if not is_compiling() and bool((sizes != 1).any()):
             raise ValueError(
                 "vitprune: these features did not come from this model's forward_features (or "
                 "forward_intermediates), so the number of patches each token stands for is unknown "
