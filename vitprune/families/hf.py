@@ -38,7 +38,7 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassi
 from ..core.grid import vision_config
 from ..core.registry import REFUSED, Family, no_extras, register
 from ..core.state import Scored
-from .attention import attend, split_heads
+from .attention import attend, member, split_heads
 from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
 from .pooling import size_weighted_mean
@@ -56,7 +56,7 @@ class _Dropout:
 
 def _num_heads(attn: nn.Module) -> int:
     """Heads of a ``transformers`` attention module (``num_attention_heads`` or ``num_heads``)."""
-    return getattr(attn, "num_attention_heads", None) or attn.num_heads
+    return member(attn, "num_attention_heads") or attn.num_heads
 
 
 def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
@@ -65,14 +65,14 @@ def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, sou
     ``out_proj``) through vitprune's path, and what the reduction step needs."""
     heads = _num_heads(attn)
     q, k, v = (split_heads(proj(x), heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    scale = getattr(attn, "scaling", None) or attn.scale
-    p = getattr(attn, "attention_dropout", None)
+    scale = member(attn, "scaling") or attn.scale
+    p = member(attn, "attention_dropout")
     p = attn.dropout if p is None else p
     fused = attn.config._attn_implementation != "eager"
     out, scored = attend(q, k, v, scale=scale, fused=fused, attn_drop=_Dropout(p, attn.training),
                          num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).flatten(2)
-    project = getattr(attn, "o_proj", None) or attn.out_proj
+    project = member(attn, "o_proj") or attn.out_proj
     return project(out), scored
 
 
