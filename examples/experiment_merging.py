@@ -105,16 +105,18 @@ def finetune(args: argparse.Namespace) -> None:
     models = [load_checkpoint(Path(p)) for p in args.checkpoints]
     data = {d: (load(d, "train"), load(d, "test")) for d in {record["dataset"] for _, record in models}}
     options = {**FINAL, **EXTRA, BASELINE: None}
-    jobs = [(m, r, 1.0, None) for m, r in models]
-    jobs += [(m, r, b, name) for m, r in models for b in args.budgets for name in (args.methods or FINETUNED)]
+    names = [None] + [(b, name) for b in args.budgets for name in (args.methods or FINETUNED)]
+    jobs = [(m, r, repeat, job) for m, r in models for repeat in range(args.repeats) for job in names]
     rows = []
-    for model, record, budget, name in tqdm(jobs, desc="fine-tune", file=sys.stderr):
+    for model, record, repeat, job in tqdm(jobs, desc="fine-tune", file=sys.stderr):
+        budget, name = (1.0, None) if job is None else job
         tuned = copy.deepcopy(model) if name is None else fitted(model, options[name], budget, record["seed"])
         (images, labels), (test_images, test_labels) = data[record["dataset"]]
+        # repeat 0 draws the batches and shifts of the runs before --repeats existed
         train(tuned, images, labels, record["dataset"], steps=STEPS, batch=128, lr=LR, warmup=WARMUP,
-              seed=1000 + record["seed"], desc=f"{name or 'unpruned'} {budget}")
+              seed=1000 * (repeat + 1) + record["seed"], desc=f"{name or 'unpruned'} {budget}")
         acc = accuracy(tuned, test_images[:args.limit], test_labels[:args.limit])
-        rows.append({**row(record, name or "unpruned", budget, tuned, acc), "finetuned": STEPS})
+        rows.append({**row(record, name or "unpruned", budget, tuned, acc), "finetuned": STEPS, "repeat": repeat})
     write_rows(args, rows)
 
 
@@ -233,6 +235,9 @@ def main() -> None:
     parser.add_argument("--docs", default="docs")
     parser.add_argument("--finetune", action="store_true",
                         help=f"fine-tune {STEPS} steps with each of {FINETUNED} active, then evaluate")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --finetune: fine-tune each model this many times, each with its own "
+                             "batch order and shifts (seed 1000 r + the model's seed)")
     parser.add_argument("--methods", nargs="+", default=None,
                         help=f"only these methods (names as in the tables; also {ALL_FIT!r})")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="write the table and plot from these")
