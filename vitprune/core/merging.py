@@ -41,7 +41,7 @@ class Matched(NamedTuple):
 
 def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads."""
-    metric = keys[:, :, num_prefix:].sum(dim=1)  # the mean's direction: the norm divides the 1 / H out
+    metric = (keys[:, :, num_prefix:] if num_prefix else keys).sum(dim=1)  # the norm divides the 1 / H out
     return metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
@@ -220,9 +220,7 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     if not (n + 1) // 2 <= k < n:
         raise ValueError(f"one round keeps between ceil(n / 2) = {(n + 1) // 2} and n - 1 = {n - 1} of "
                          f"n = {n} tokens, got k = {k}")
-    # key_metric's unit vectors, over the prefix too (so no slice): the sets are strided views
-    metric = keys.sum(dim=1)
-    metric = metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min(1e-12)
+    metric = key_metric(keys, 0)  # the prefix's too, unused: no slice, the two sets are strided views
     best, partner = torch.bmm(metric[:, P + 1::2], metric[:, P::2].mT).max(dim=-1)
     ranked = descending_order(best)  # no gradient reaches the matching: only indices leave it
     removed, stays = ranked[:, :n - k], ranked[:, n - k:].sort(dim=1).values
