@@ -237,13 +237,14 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     moved = src_sizes.gather(1, removed)
     new_dst = dst_sizes.scatter_add(1, dest, moved)
     # every destination times its own share s_j / S_j: exactly 1 where nothing arrived
-    out.view(B, P + k, C)[:, P + m:].mul_(_as(dst_sizes / new_dst, tokens.dtype, column=False).unsqueeze(-1))
+    out.view(B, P + k, C)[:, P + m:].mul_(_as(dst_sizes / new_dst, tokens.dtype).unsqueeze(-1))
     if type(B) is int and B == 1:  # eager batch 1: one image, no per-image offsets
         rows = (dest + (P + m)).view(-1)
     else:
         rows = (dest + torch.arange(P + m, B * (P + k) + P + m, P + k, device=tokens.device).view(B, 1)).view(-1)
     drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
-    out.index_add_(0, rows, flat.index_select(0, drop_rows) * _as(moved / new_dst.gather(1, dest), tokens.dtype))
+    removed_share = _as(moved / new_dst.gather(1, dest), tokens.dtype).view(-1, 1)
+    out.index_add_(0, rows, flat.index_select(0, drop_rows) * removed_share)
     return out.view(B, P + k, C), torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays
 
 
@@ -254,10 +255,8 @@ def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([stays * 2 + 1, destinations], dim=1)
 
 
-def _as(share: torch.Tensor, dtype: torch.dtype, column: bool = True) -> torch.Tensor:
-    """``(B, r)`` shares in ``dtype`` (no conversion when they already are), as a ``(B r, 1)``
-    column when ``column``."""
-    share = share.view(-1, 1) if column else share
+def _as(share: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``share`` in ``dtype``, with no conversion when it already is."""
     return share if share.dtype == dtype else share.to(dtype)
 
 
