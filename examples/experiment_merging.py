@@ -97,11 +97,21 @@ FINETUNED = (DEFAULT, BASELINE, "paper (var, top, fuse, 3 stages)")
 STEPS, LR, WARMUP = 100, 2e-4, 10
 
 
+def tune(model: torch.nn.Module, record: Dict[str, Any], train_set: Tuple[torch.Tensor, torch.Tensor],
+         repeat: int = 0, desc: str = "fine-tune") -> None:
+    """STEPS steps of train_small_vit.py's recipe on ``model`` (patched or not), with the batch
+    order and shifts of seed ``1000 (repeat + 1)`` plus the model's seed (repeat 0 draws those
+    of the runs before ``--repeats`` existed)."""
+    from train_small_vit import train  # examples/ is on sys.path when this script runs
+
+    images, labels = train_set
+    train(model, images, labels, record["dataset"], steps=STEPS, batch=128, lr=LR, warmup=WARMUP,
+          seed=1000 * (repeat + 1) + record["seed"], desc=desc)
+
+
 def finetune(args: argparse.Namespace) -> None:
     """Each method fitted to each budget, fine-tuned for STEPS steps with it active (the
     training recipe of train_small_vit.py), then evaluated; the unpruned model likewise."""
-    from train_small_vit import train  # examples/ is on sys.path when this script runs
-
     models = [load_checkpoint(Path(p)) for p in args.checkpoints]
     data = {d: (load(d, "train"), load(d, "test")) for d in {record["dataset"] for _, record in models}}
     options = {**FINAL, **EXTRA, BASELINE: None}
@@ -111,10 +121,8 @@ def finetune(args: argparse.Namespace) -> None:
     for model, record, repeat, job in tqdm(jobs, desc="fine-tune", file=sys.stderr):
         budget, name = (1.0, None) if job is None else job
         tuned = copy.deepcopy(model) if name is None else fitted(model, options[name], budget, record["seed"])
-        (images, labels), (test_images, test_labels) = data[record["dataset"]]
-        # repeat 0 draws the batches and shifts of the runs before --repeats existed
-        train(tuned, images, labels, record["dataset"], steps=STEPS, batch=128, lr=LR, warmup=WARMUP,
-              seed=1000 * (repeat + 1) + record["seed"], desc=f"{name or 'unpruned'} {budget}")
+        train_set, (test_images, test_labels) = data[record["dataset"]]
+        tune(tuned, record, train_set, repeat, desc=f"{name or 'unpruned'} {budget}")
         acc = accuracy(tuned, test_images[:args.limit], test_labels[:args.limit])
         rows.append({**row(record, name or "unpruned", budget, tuned, acc), "finetuned": STEPS, "repeat": repeat})
     write_rows(args, rows)

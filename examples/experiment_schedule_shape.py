@@ -33,12 +33,14 @@ from tqdm.auto import tqdm
 
 import vitprune
 from vitprune.core.config import PruneConfig
+from vitprune.core.grid import num_patches
+from vitprune.core.registry import blocks_of
 from vitprune.data.accuracy import accuracy
 from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 from vitprune.measure.baseline import fit_merging
 from vitprune.measure.flops import flop_counter, schedule_flops
-from experiment_merging import BASELINE, LR, STEPS, WARMUP, row, write_rows
+from experiment_merging import BASELINE, STEPS, row, tune, write_rows
 
 _BISECTION_STEPS = 60
 
@@ -66,7 +68,7 @@ def shape_config(counts: Sequence[int], n: int) -> PruneConfig:
 
 def fit_shape(model: torch.nn.Module, shape: float, target_flops: float) -> PruneConfig:
     """The schedule of ``shape`` with the smallest scale whose analytic FLOPs fit the target."""
-    n, depth = model.patch_embed.num_patches, len(model.blocks)
+    n, depth = num_patches(model), len(blocks_of(model))
     flops = flop_counter(model)
     low, high = 0.0, float(n)  # flops(low) > target >= flops(high) once high removes all it can
     for _ in range(_BISECTION_STEPS):
@@ -101,8 +103,6 @@ def main() -> None:
     parser.add_argument("--name", default="schedule_shape", help="results file name (docs/results/NAME.json)")
     parser.add_argument("--docs", default="docs")
     args = parser.parse_args()
-    if args.finetune:
-        from train_small_vit import train  # examples/ is on sys.path when this script runs
 
     rows = []
     for path in args.checkpoints:
@@ -122,8 +122,7 @@ def main() -> None:
                     fit_shape(model, shape, budget * full)
                 tuned, name = vitprune.patch(copy.deepcopy(model), config), method_name(shape)
             if args.finetune:
-                train(tuned, *train_set, dataset, steps=STEPS, batch=128, lr=LR, warmup=WARMUP,
-                      seed=1000 + record["seed"], desc=f"{name} {budget}")
+                tune(tuned, record, train_set, desc=f"{name} {budget}")
             result = row(record, name, budget, tuned, accuracy(tuned, images, labels))
             rows.append({**result, "shape": shape, **({"finetuned": STEPS} if args.finetune else {})})
     write_rows(args, rows)
