@@ -18,7 +18,9 @@ token) and ``fit_merging`` for the token-merging baseline (``r + 1`` tokens in t
 (on, off), plus random selection and the baseline; ``--grid final`` runs the methods the
 README compares; ``--finetune`` fine-tunes the default, the baseline and the paper's method
 (and the unpruned model) for 100 steps each before evaluating. ``--report`` writes a
-markdown table and a plot, named after ``--name``, into ``--docs`` from results JSON.
+markdown table and a plot, named after ``--name``, into ``--docs`` from results JSON (every
+run counted once, however many files hold it); where token merging ran, a second table gives
+each method minus merging run for run (the same model, repeat and budget).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from tqdm.auto import tqdm
@@ -41,7 +43,7 @@ from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 from vitprune.data.accuracy import accuracy
 from vitprune.measure.flops import schedule_flops
-from reporting import markdown_table, percent, summarise
+from reporting import markdown_table, mean_std, paired, percent, summarise, unique_runs
 
 BASELINE = "token merging (baseline)"
 DEFAULT = "vitprune defaults (bipartite, merge, spread, size-aware)"  # docs/method.md §9
@@ -166,13 +168,27 @@ def row(record: Dict[str, Any], method: str, budget: float, model: torch.nn.Modu
             "keep_rate": None if config is None else list(config.keep_rate), "accuracy": acc}
 
 
+#: What makes one run: rows equal in these are the same run recorded twice (``unique_runs``).
+RUN = ("dataset", "seed", "steps", "finetuned", "repeat", "method", "budget")
+
+
+def difference(cell: Optional[Dict[str, Any]]) -> str:
+    """``-0.22 ± 0.26 (3 of 9)``: a :func:`reporting.paired` group in points."""
+    if cell is None:
+        return "-"
+    return f"{100 * cell['mean']:+.2f} ± {100 * cell['std']:.2f} ({cell['ahead']} of {cell['n']})"
+
+
 def report(paths: List[str], docs: Path, out_name: str, note: str = "") -> None:
     rows, commands = [], []
     for path in paths:
         record = json.loads(Path(path).read_text())
         rows += record["rows"]
         commands.append(record["command"])
+    rows = unique_runs(rows, RUN)
     summary = summarise(rows, ["dataset", "method", "budget"])
+    differences = {(d["dataset"], d["method"], d["budget"]): d
+                   for d in paired(rows, BASELINE, [k for k in RUN if k != "method"], ["dataset", "method", "budget"])}
     shares = summarise(rows, ["dataset", "method", "budget"], value="flops_share")
     share = {(s["dataset"], s["method"], s["budget"]): s["mean"] for s in shares}
     tuned = any(row.get("finetuned") for row in rows)
@@ -189,19 +205,28 @@ def report(paths: List[str], docs: Path, out_name: str, note: str = "") -> None:
         budgets = sorted({s["budget"] for s in cells if s["method"] != "unpruned"}, reverse=True)
         names = list(dict.fromkeys(s["method"] for s in cells if s["method"] != "unpruned"))
         means = {(s["method"], s["budget"]): s for s in cells}
-        names.sort(key=lambda m: -sum(means[(m, b)]["mean"] for b in budgets))
+        names.sort(key=lambda m: -mean_std([means[(m, b)]["mean"] for b in budgets if (m, b) in means])[0])
         table = []
         for name in names:
             line = [name]
             for b in budgets:
-                s = means[(name, b)]
+                s = means.get((name, b))
+                if s is None:
+                    line.append("-")
+                    continue
                 reached = share[(dataset, name, b)]
                 note = f" ({100 * reached:.0f} %)" if b - reached > 0.01 else ""
                 line.append(percent(s["mean"], s["std"], s["n"]) + note)
             table.append(line)
+        header = ["method"] + [f"{100 * b:.0f} % FLOPs" for b in budgets]
         parts.append(f"## {dataset}\n\nUnpruned: {percent(base['mean'], base['std'], base['n'])}, "
-                     f"n = {base['n']}.\n\n"
-                     + markdown_table(["method"] + [f"{100 * b:.0f} % FLOPs" for b in budgets], table) + "\n")
+                     f"n = {base['n']}.\n\n" + markdown_table(header, table) + "\n")
+        against = [[name] + [difference(differences.get((dataset, name, b))) for b in budgets]
+                   for name in names if name != BASELINE]
+        if any(cell != "-" for line in against for cell in line[1:]):
+            parts.append("Minus token merging, run for run (the same model, repeat and budget): mean ± "
+                         "standard deviation of the differences in points, and in how many runs the "
+                         "method is ahead.\n\n" + markdown_table(header, against) + "\n")
     (docs / f"{out_name}.md").write_text("\n".join(parts))
     plot(summary, share, docs / f"{out_name}.png", title)
     print(f"wrote {docs / out_name}.md and .png")

@@ -16,7 +16,8 @@ constant count. For each shape the scale ``c`` is fitted to the FLOP budget (bis
 vitprune's analytic counter, the counts rounded up, so the budget is met to about one
 token); the method is otherwise the defaults' (bipartite, merge, size-aware). Token
 merging (its own fit) runs beside them. ``--finetune`` fine-tunes each for 100 steps
-with experiment (e)'s recipe before evaluating, and the unpruned model likewise.
+with experiment (e)'s recipe before evaluating, and the unpruned model likewise;
+``--repeats R`` does so R times per model, with experiment (e)'s repeat seeds.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", type=float, default=[0, 0.25, 0.5, 0.75, 1])
     parser.add_argument("--limit", type=int, default=5000, help="the first LIMIT test images")
     parser.add_argument("--finetune", action="store_true", help=f"fine-tune {STEPS} steps before evaluating")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="with --finetune: fine-tune every model this many times, each with its own batch "
+                             "order (experiment_merging.py's --repeats)")
     parser.add_argument("--name", default="schedule_shape", help="results file name (docs/results/NAME.json)")
     parser.add_argument("--docs", default="docs")
     args = parser.parse_args()
@@ -112,9 +116,9 @@ def main() -> None:
         images, labels = images[:args.limit], labels[:args.limit]
         train_set = load(dataset, "train") if args.finetune else None
         full = schedule_flops(model, None)
-        jobs = [(1.0, None, True)]
-        jobs += [(b, s, False) for b in args.budgets for s in [*args.shapes, None]]
-        for budget, shape, unpruned in tqdm(jobs, desc=Path(path).stem, file=sys.stderr):
+        runs = [(1.0, None, True)] + [(b, s, False) for b in args.budgets for s in [*args.shapes, None]]
+        jobs = [(repeat, *run) for repeat in range(args.repeats if args.finetune else 1) for run in runs]
+        for repeat, budget, shape, unpruned in tqdm(jobs, desc=Path(path).stem, file=sys.stderr):
             if unpruned:
                 tuned, name = copy.deepcopy(model), "unpruned"
             else:
@@ -122,9 +126,10 @@ def main() -> None:
                     fit_shape(model, shape, budget * full)
                 tuned, name = vitprune.patch(copy.deepcopy(model), config), method_name(shape)
             if args.finetune:
-                tune(tuned, record, train_set, desc=f"{name} {budget}")
+                tune(tuned, record, train_set, repeat, desc=f"{name} {budget}")
             result = row(record, name, budget, tuned, accuracy(tuned, images, labels))
-            rows.append({**result, "shape": shape, **({"finetuned": STEPS} if args.finetune else {})})
+            tuned_as = {"finetuned": STEPS, "repeat": repeat} if args.finetune else {}
+            rows.append({**result, "shape": shape, **tuned_as})
     write_rows(args, rows)
 
 
