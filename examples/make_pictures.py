@@ -6,6 +6,8 @@
    through ``deit_small_patch16_224`` with random weights (nothing can be downloaded here):
    the choice of patches shows the mechanics only, not what a trained model attends to.
 2. Fashion-MNIST and cluttered Fashion-MNIST test images through the shipped trained models.
+3. The defaults (token merging in every block) on the shipped Fashion-MNIST model, drawn as
+   the groups of patches each token holds (``show="groups"``).
 """
 
 from __future__ import annotations
@@ -48,11 +50,21 @@ def shipped(dataset: str, indicator: str = "var", keep_rate: float = 0.5, count:
     figure.savefig(OUT / f"{dataset}_kept.png", dpi=90)
 
 
+def merged_groups(dataset: str = "fashion_mnist", keep_rate: float = 0.5, count: int = 3) -> None:
+    model, _ = load_shipped(dataset)
+    vitprune.patch(model, keep_rate=keep_rate)  # the defaults: a few tokens merged in every block
+    images, _ = load_test_subset(dataset)
+    display = images[:count].unsqueeze(1).float() / 255
+    figure = vitprune.visualize(model, datasets.to_input(images[:count]), display, show="groups", panel_inches=1.6)
+    figure.savefig(OUT / f"{dataset}_groups.png", dpi=90)
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     photograph()
     for dataset in datasets.DATASETS:
         shipped(dataset)
+    merged_groups()
     print(f"wrote {sorted(p.name for p in OUT.glob('*.png'))}")
 
 

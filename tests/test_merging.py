@@ -12,8 +12,8 @@ from conftest import PAPER, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
-from vitprune.core.merging import (Matched, bipartite_keep, bipartite_merge, key_metric, match_bipartite,
-                                   match_redundant, match_top, merge_tokens, size_bias)
+from vitprune.core.merging import (Matched, Merged, bipartite_keep, bipartite_merge, bipartite_slots, key_metric,
+                                   match_bipartite, match_redundant, match_top, merge_tokens, size_bias, token_slots)
 
 
 def unit(*rows):
@@ -102,12 +102,24 @@ def test_bipartite_merge_by_hand():
     keys = torch.tensor([[9, 9], [1, 0], [1, 0.1], [0, 1], [0.5, 1], [-1, 0]], dtype=torch.float32)[None, None]
     tokens = torch.tensor([[5.0], [10.0], [20.0], [30.0], [40.0], [50.0]])[None]
     sizes = torch.tensor([[1.0, 3.0, 1.0, 1.0, 2.0]])
-    merged, new_sizes, stays = bipartite_merge(tokens, keys, sizes, 4, 1)
+    result = bipartite_merge(tokens, keys, sizes, 4, 1)
+    merged, new_sizes, stays = result.tokens, result.sizes, result.stays
     assert stays.tolist() == [[1]]  # candidate 1 is patch 3
     assert bipartite_keep(stays, 5).tolist() == [[3, 0, 2, 4]]  # [candidate that stays, destinations]
     # destination 0 (size 1) receives candidate 1 (size 3): (1 * 10 + 3 * 20) / 4
     assert_close(merged, torch.tensor([[[5.0], [40.0], [70 / 4], [30.0], [50.0]]]))
     assert new_sizes.tolist() == [[1.0, 4.0, 1.0, 2.0]]
+    # patches 0 and 1 are now token 1 (destination 0 after the one candidate that stays),
+    # patch 2 token 2, patch 3 (the candidate that stays) token 0, patch 4 token 3
+    assert bipartite_slots(result, 5).tolist() == [[1, 1, 2, 0, 3]]
+
+
+def test_token_slots_by_hand():
+    keep, drop = torch.tensor([[4, 0, 2]]), torch.tensor([[1, 3]])
+    # kept token keep[i] is new token i; removed ones go where ``into`` says
+    assert token_slots(keep, drop, torch.tensor([[0, 2]])).tolist() == [[1, 0, 2, 2, 0]]
+    assert token_slots(keep, drop, 3).tolist() == [[1, 3, 2, 3, 0]]  # a fusion token after the kept
+    assert token_slots(keep, drop, -1).tolist() == [[1, -1, 2, -1, 0]]  # dropped
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -122,9 +134,10 @@ def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
         sizes = torch.randint(1, 5, (B, n), generator=g).float()
         matched = match_bipartite(key_metric(keys, P), k)
         expected, expected_sizes = merge_tokens(tokens, sizes, matched, P)
-        merged, new_sizes, stays = bipartite_merge(tokens, keys, sizes, k, P)
-        assert torch.equal(merged, expected) and torch.equal(new_sizes, expected_sizes)
-        assert torch.equal(bipartite_keep(stays, n), matched.keep)
+        merged = bipartite_merge(tokens, keys, sizes, k, P)
+        assert torch.equal(merged.tokens, expected) and torch.equal(merged.sizes, expected_sizes)
+        assert torch.equal(bipartite_keep(merged.stays, n), matched.keep)
+        assert torch.equal(bipartite_slots(merged, n), token_slots(matched.keep, matched.drop, matched.dest))
 
 
 def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merging(tiny, monkeypatch):
@@ -133,8 +146,9 @@ def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merg
     def general(tokens, keys, sizes, k, num_prefix):
         matched = match_bipartite(key_metric(keys, num_prefix), k)
         merged, new_sizes = merge_tokens(tokens, sizes, matched, num_prefix)
-        stays = (matched.keep[:, :k - (sizes.shape[1] + 1) // 2] - 1) // 2
-        return merged, new_sizes, stays
+        m = k - (sizes.shape[1] + 1) // 2
+        stays = (matched.keep[:, :m] - 1) // 2
+        return Merged(merged, new_sizes, stays, (matched.drop - 1) // 2, matched.dest - m)
 
     model = vitprune.patch(tiny, keep_rate=0.7)
     x = image_batch(model, batch=3)
@@ -143,12 +157,13 @@ def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merg
         with torch.no_grad():
             out = model(x)
         state = model.vitprune_state
-        runs.append((out, vitprune.kept_positions(model), state.sizes.clone()))
+        runs.append((out, vitprune.kept_positions(model), state.sizes.clone(), vitprune.token_groups(model)))
         monkeypatch.setattr(state_module, "bipartite_merge", general)
-    (fast, fast_positions, fast_sizes), (slow, slow_positions, slow_sizes) = runs
+    (fast, fast_positions, fast_sizes, fast_groups), (slow, slow_positions, slow_sizes, slow_groups) = runs
     assert torch.equal(fast, slow) and torch.equal(fast_sizes, slow_sizes)
     assert len(fast_positions) == len(model.blocks)
     assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
+    assert all(torch.equal(a, b) for a, b in zip(fast_groups, slow_groups))
 
 
 def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
@@ -158,7 +173,7 @@ def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
     bipartite_merge(tokens, keys, torch.ones(1, 6), 4, 1)[0].sum().backward()
     assert (tokens.grad.abs().sum(-1) > 0).all()  # every token reaches the output
     empty = bipartite_merge(torch.randn(0, 7, 4), torch.randn(0, 2, 7, 4), torch.ones(0, 6), 4, 1)
-    assert [t.shape for t in empty] == [(0, 5, 4), (0, 4), (0, 1)]
+    assert [t.shape for t in empty] == [(0, 5, 4), (0, 4), (0, 1), (0, 2), (0, 2)]
 
 
 def test_key_metric_averages_heads_and_skips_the_prefix():

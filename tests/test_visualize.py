@@ -10,7 +10,7 @@ from PIL import Image
 
 import vitprune
 from vitprune.commands.cli import main
-from vitprune.pictures.visualize import draw_panels, kept_masks, patch_footprints, visualize
+from vitprune.pictures.visualize import BORDER, draw_panels, group_panels, kept_masks, patch_footprints, visualize
 
 
 def small_model(**options):
@@ -74,6 +74,34 @@ def test_visualize_returns_a_figure_with_a_row_per_image(tmp_path):
     assert figure.axes[1].get_title() == "after block 1: 8 kept"
     figure.savefig(tmp_path / "grid.png")
     assert Image.open(tmp_path / "grid.png").size[0] > Image.open(tmp_path / "grid.png").size[1]
+
+
+def test_group_panels_by_hand():
+    # a 2 x 6 image of three 2 x 2 patches: patches 0 and 1 merged into one token, patch 2 dropped
+    image = torch.arange(12, dtype=torch.float32).view(1, 1, 2, 6) / 12
+    footprints = torch.zeros(3, 2, 6, dtype=torch.bool)
+    for p in range(3):
+        footprints[p, :, 2 * p:2 * p + 2] = True
+    panels = group_panels(image, [torch.tensor([[0, 0, -1]])], footprints, dim=0.25)
+    assert panels.shape == (1, 2, 2, 6, 3)
+    mean = image[0, 0, :, :4].mean()  # the group's mean colour
+    rgb = image[0, 0, ..., None].expand(2, 6, 3)
+    dimmed = draw_panels(image, torch.zeros(1, 1, 2, 6, dtype=torch.bool), 0.25)[0, 1]
+    drawn = panels[0, 1]
+    assert torch.equal(panels[0, 0], rgb)  # the input
+    assert torch.allclose(drawn[:, :3], mean.expand(2, 3, 3))
+    # column 3 borders the dropped patch: half the group's colour, half the border's
+    assert torch.allclose(drawn[:, 3], (mean + torch.tensor(BORDER)).expand(2, 3) / 2)
+    assert torch.equal(drawn[:, 4:], dimmed[:, 4:])
+
+
+def test_visualize_draws_groups_and_refuses_an_unknown_view():
+    model = small_model(keep_rate=0.5, indicator="var", selection="top", reduction="fuse")
+    figure = visualize(model, torch.randn(2, 3, 64, 64), show="groups")
+    assert len(figure.axes) == 2 * 3
+    assert figure.axes[1].get_title() == "after block 1: 9 tokens"  # 8 kept and the fusion token
+    with pytest.raises(ValueError, match="unknown show 'merged'; accepted: 'kept', 'groups'"):
+        visualize(model, torch.randn(2, 3, 64, 64), show="merged")
 
 
 def test_masks_need_a_forward_first():

@@ -118,6 +118,9 @@ random weights, and what it keeps says nothing about the image.""")
     parser.add_argument("--stages", type=stage_list, default=None,
                         help="comma-separated block indices, e.g. 3,6,9 (default: the paper's, scaled)")
     parser.add_argument("--overlap-stride", type=int, default=None, help="patch-embedding stride (overlap)")
+    parser.add_argument("--view", choices=("kept", "groups"), default="kept",
+                        help="kept: pruned patches dimmed; groups: the patches each token holds, in their "
+                             "mean colour (what merging made)")
     parser.add_argument("--out", default="kept.png", help="where to write the PNG")
     return parser
 

@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
         patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
               overlap_stride=args.overlap_stride)
         x, display = prepare(picture)
-        figure = visualize(model, x, display)
+        figure = visualize(model, x, display, show=args.view)
         figure.savefig(args.out, dpi=100)
     except (FileNotFoundError, ImportError, ValueError, TypeError) as error:
         print(f"vitprune show: error: {error}", file=sys.stderr)

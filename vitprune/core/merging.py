@@ -191,8 +191,27 @@ def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched,
     return out.view(B, P + k, C), new_sizes
 
 
+class Merged(NamedTuple):
+    """What :func:`bipartite_merge` gives: the new tokens and sizes, and where every
+    candidate went (for :func:`bipartite_keep` and :func:`bipartite_slots`).
+
+    Attributes:
+        tokens: ``(B, P + k)``.
+        sizes: ``(B, k)``.
+        stays: ``(B, m)``: the candidates that stay, in order (candidate ``c`` is token ``2 c + 1``).
+        removed: ``(B, n - k)``: the candidates merged away.
+        dest: ``(B, n - k)``: the destination (``j``: token ``2 j``) each removed candidate joined.
+    """
+
+    tokens: torch.Tensor
+    sizes: torch.Tensor
+    stays: torch.Tensor
+    removed: torch.Tensor
+    dest: torch.Tensor
+
+
 def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int,
-                    num_prefix: int) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+                    num_prefix: int) -> Merged:
     """One round of token merging, selection and merge together: bit for bit
     ``merge_tokens(tokens, sizes, match_bipartite(key_metric(keys, P), k), P)`` when
     ``2 k >= n``, in three quarters of the operations.
@@ -211,8 +230,9 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
         num_prefix: ``P``.
 
     Returns:
-        The ``(B, P + k, C)`` tokens, their ``(B, k)`` sizes, and the ``(B, k - ceil(n / 2))``
-        candidates that stay, in order (:func:`bipartite_keep` makes the kept indices of them).
+        A :class:`Merged`: the ``(B, P + k, C)`` tokens, their ``(B, k)`` sizes, the
+        ``(B, k - ceil(n / 2))`` candidates that stay, in order (:func:`bipartite_keep` makes
+        the kept indices of them), and the removed candidates with their destinations.
     """
     B, L, C = tokens.shape
     P = num_prefix
@@ -245,7 +265,8 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
     removed_share = _as(moved / new_dst.gather(1, dest), tokens.dtype).view(-1, 1)
     out.index_add_(0, rows, flat.index_select(0, drop_rows) * removed_share)
-    return out.view(B, P + k, C), torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays
+    return Merged(out.view(B, P + k, C), torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays, removed,
+                  dest)
 
 
 def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
@@ -253,6 +274,31 @@ def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
     gives them: the candidates that stay (``stays``, ``(B, m)``), then every destination."""
     destinations = torch.arange(0, n, 2, device=stays.device).expand(stays.shape[0], -1)
     return torch.cat([stays * 2 + 1, destinations], dim=1)
+
+
+def bipartite_slots(merged: Merged, n: int) -> torch.Tensor:
+    """:func:`token_slots` of a :func:`bipartite_merge` over ``n`` tokens."""
+    m = merged.stays.shape[1]
+    return token_slots(bipartite_keep(merged.stays, n), merged.removed * 2 + 1, merged.dest + m)
+
+
+def token_slots(keep: torch.Tensor, drop: torch.Tensor, into: "torch.Tensor | int") -> torch.Tensor:
+    """``(B, n)`` long: for each of the ``n`` tokens a reduction received, the index among the
+    tokens it left of the one that holds it now.
+
+    Args:
+        keep: ``(B, k)`` indices of the kept tokens, in their new order (kept token ``keep[:, i]``
+            is new token ``i``).
+        drop: ``(B, n - k)`` indices of the removed tokens.
+        into: ``(B, n - k)``: the new token each removed one joined (a merge), or one index for
+            all of them (``k``, a fusion token after the kept ones), or ``-1`` (dropped).
+    """
+    B, k = keep.shape
+    slots = keep.new_empty(B, k + drop.shape[1])
+    slots.scatter_(1, keep, torch.arange(k, device=keep.device).expand(B, k))
+    if not isinstance(into, torch.Tensor):
+        into = drop.new_full(drop.shape, into)
+    return slots.scatter_(1, drop, into)
 
 
 def _as(share: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

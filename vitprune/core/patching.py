@@ -301,3 +301,26 @@ def kept_positions(model: nn.Module) -> List[torch.Tensor]:
         the first forward.
     """
     return state_of(model).kept_positions()
+
+
+def token_groups(model: nn.Module) -> List[torch.Tensor]:
+    """Which token holds each original patch after every stage of the last forward: the
+    groups that merging (and fusion) made.
+
+    Returns:
+        One ``(B, N)`` long tensor per stage, in stage order, ``N`` the patch tokens that
+        entered the first block: for each patch, the index of the non-prefix token that
+        holds it after stage ``s`` (patches with the same index were merged into one token;
+        the fusion token is the last index), or ``-1`` once it was dropped. A kept patch
+        ``p`` at ``kept_positions(model)[s][b, i]`` has group ``i``; with size-tracking
+        reductions the count of patches per group is the token's size.
+
+    Raises:
+        ValueError: The model is not patched, or no forward has run on this thread.
+        RuntimeError: The last forward was compiled, exported or traced: groups are
+            recorded by eager forwards only.
+    """
+    groups = state_of(model).token_groups()
+    if not groups:
+        raise ValueError("no forward has run on this thread since patching: run one, then read the groups")
+    return groups

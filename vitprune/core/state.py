@@ -12,8 +12,8 @@ import torch
 from .config import PruneConfig, keep_count
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
-from .merging import (bipartite_keep, bipartite_merge, key_metric, match_bipartite, match_redundant, match_top,
-                      merge_tokens, size_bias)
+from .merging import (bipartite_keep, bipartite_merge, bipartite_slots, key_metric, match_bipartite, match_redundant,
+                      match_top, merge_tokens, size_bias, token_slots)
 from .tokens import is_compiling, is_exporting, keep_or_fuse, prune_tokens
 
 
@@ -32,6 +32,8 @@ class Scored(NamedTuple):
 
 #: Works out a stage's positions from those of the stage before it (``None`` at the first).
 MakePositions = Callable[[Optional[torch.Tensor]], torch.Tensor]
+#: Works out a stage's slots (``merging.token_slots``): where each token it received went.
+MakeSlots = Callable[[], torch.Tensor]
 
 
 class ForwardRecords:
@@ -51,6 +53,8 @@ class ForwardRecords:
         self.stage_bias: Dict[int, torch.Tensor] = {}  # size_aware: each stage's size_bias
         self.sizes: Optional[torch.Tensor] = None
         self.patches: Optional[int] = None  # patch tokens entering the first stage
+        self._slots: Dict[int, Tuple[Optional[int], MakeSlots]] = {}  # eager forwards only
+        self._groups: Dict[int, torch.Tensor] = {}
 
     @property
     def positions(self) -> Dict[int, torch.Tensor]:
@@ -59,6 +63,36 @@ class ForwardRecords:
             previous, make = self._pending.pop(stage)
             self._positions[stage] = make(None if previous is None else self._positions[previous])
         return self._positions
+
+    @property
+    def groups(self) -> Dict[int, torch.Tensor]:
+        """Stage number -> ``(B, N)``: for each of the ``N`` patches, the index of the
+        non-prefix token that holds it after that stage, or ``-1`` once it was dropped.
+
+        Raises:
+            RuntimeError: The last forward was compiled, exported or traced, which record
+                no slots.
+        """
+        if set(self._slots) != set(self.counts):
+            raise RuntimeError("token groups are recorded by eager forwards only; the last forward was compiled, "
+                               "exported or traced: run one eagerly (without torch.compile) to read them")
+        for stage in sorted(set(self._slots) - set(self._groups)):
+            previous, make = self._slots[stage]
+            slots = make()
+            if previous is None:  # it received the patches in order
+                self._groups[stage] = slots
+            else:
+                before = self._groups[previous]
+                self._groups[stage] = torch.where(before >= 0, slots.gather(1, before.clamp_min(0)), before)
+        return self._groups
+
+    def record_slots(self, stage: int, previous: Optional[int], make: MakeSlots) -> None:
+        """Stage ``stage`` sent the tokens it received as ``make()`` says; they were stage
+        ``previous``'s (``None``: the patches in order). Kept for eager forwards only: a
+        compiled graph would compute them whether or not anyone reads them."""
+        if not (is_compiling() or is_exporting() or torch.jit.is_tracing()):
+            self._slots[stage] = (previous, make)
+            self._groups.pop(stage, None)  # recomputed (gradient checkpointing): read afresh
 
     def record_positions(self, stage: int, previous: Optional[int], shape: Tuple[int, int],
                          make: MakePositions) -> None:
@@ -189,6 +223,7 @@ class PruneState:
         sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
             records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))
+            records.record_slots(stage, previous, functools.partial(_unchanged, B, n, x.device, None))
             if sizes is not None:
                 records.stage_sizes[stage] = sizes
                 if stage - 1 in records.stage_bias:
@@ -196,11 +231,12 @@ class PruneState:
             return x
         if sizes is None:
             sizes = x.new_ones((B, n), dtype=torch.float32)
-        x, keep, drop, sizes_kept = self._reduce(x, scored, scores, sizes, k)
+        x, keep, drop, sizes_kept, slots = self._reduce(x, scored, scores, sizes, k)
         fused = int(x.shape[1]) - P > k  # a fusion token at the end
         if fused:
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
         records.record_positions(stage, previous, (B, k + int(fused)), functools.partial(_kept, keep, fused))
+        records.record_slots(stage, previous, slots)
         records.stage_sizes[stage] = records.sizes = sizes_kept
         if config.size_aware:
             records.stage_bias[stage] = size_bias(sizes_kept, P, x.dtype)
@@ -208,17 +244,22 @@ class PruneState:
 
     def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,
                 k: int) -> Tuple[torch.Tensor, Union[torch.Tensor, Callable[[], torch.Tensor]], Optional[torch.Tensor],
-                                 torch.Tensor]:
+                                 torch.Tensor, MakeSlots]:
         """The selection and reduction of the config: the new tokens, the kept indices (or a
         function giving them, when nothing else needs them), the removed ones (``None`` where no
-        fusion token needs them), and the kept tokens' sizes."""
+        fusion token needs them), the kept tokens' sizes, and a function giving the slots
+        (``merging.token_slots``)."""
         config, P = self.config, self.num_prefix
-        if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= sizes.shape[1]:
-            merged, sizes_kept, stays = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
-            return merged, functools.partial(bipartite_keep, stays, sizes.shape[1]), None, sizes_kept
+        n = sizes.shape[1]
+        if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= n:
+            merged = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
+            return (merged.tokens, functools.partial(bipartite_keep, merged.stays, n), None, merged.sizes,
+                    functools.partial(bipartite_slots, merged, n))
+        removed_into = k if config.reduction == "fuse" else -1  # the fusion token follows the kept ones
         if config.selection == "top" and config.reduction != "merge":
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
-            return x, sel.keep, sel.drop, sizes.gather(1, sel.keep)
+            return (x, sel.keep, sel.drop, sizes.gather(1, sel.keep),
+                    functools.partial(token_slots, sel.keep, sel.drop, removed_into))
         metric = key_metric(scored.keys, P)
         if config.selection == "top":
             matched = match_top(scores, metric, k)
@@ -227,10 +268,17 @@ class PruneState:
         else:
             matched = match_bipartite(metric, k, sizes)
         if config.reduction == "merge":
-            merged, sizes_kept = merge_tokens(x, sizes, matched, P)
-            return merged, matched.keep, matched.drop, sizes_kept
+            merged_tokens, sizes_kept = merge_tokens(x, sizes, matched, P)
+            return (merged_tokens, matched.keep, matched.drop, sizes_kept,
+                    functools.partial(token_slots, matched.keep, matched.drop, matched.dest))
         x = keep_or_fuse(x, matched.keep, matched.drop, P, config.reduction == "fuse", scores, config.T)
-        return x, matched.keep, matched.drop, sizes.gather(1, matched.keep)
+        return (x, matched.keep, matched.drop, sizes.gather(1, matched.keep),
+                functools.partial(token_slots, matched.keep, matched.drop, removed_into))
+
+    def token_groups(self) -> List[torch.Tensor]:
+        """``records.groups`` as a list in stage order (see ``ForwardRecords.groups``)."""
+        groups = self.records.groups
+        return [groups[s] for s in sorted(groups)]
 
     def kept_positions(self) -> List[torch.Tensor]:
         """``positions`` as a list in stage order (see the class docs)."""

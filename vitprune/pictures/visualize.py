@@ -1,4 +1,5 @@
-"""Pictures of what a pruned model keeps: pruned patches dimmed, kept ones clear, per stage."""
+"""Pictures of what a pruned model keeps, per stage: pruned patches dimmed and kept ones
+clear, or every group of patches merged into one token in its mean colour."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from . import pyplot
 from ..core.grid import patch_conv
-from ..core.patching import get_config, kept_positions, state_of
+from ..core.patching import get_config, kept_positions, state_of, token_groups
 
 
 def _check_stages(model: nn.Module) -> None:
@@ -89,6 +90,59 @@ def draw_panels(images: torch.Tensor, masks: torch.Tensor, dim: float = 0.25) ->
     return torch.stack(panels, dim=1)
 
 
+def group_panels(images: torch.Tensor, groups: Sequence[torch.Tensor], footprints: torch.Tensor,
+                 dim: float = 0.25) -> torch.Tensor:
+    """``(B, 1 + S, H, W, 3)`` float RGB in [0, 1]: the image, then per stage every group of
+    patches (:func:`vitprune.token_groups`) filled with its mean colour, so the patches merged
+    into one token show as one flat region, outlined; dropped patches are dimmed as in
+    :func:`draw_panels`.
+
+    Args:
+        images: ``(B, C, H, W)`` with values in [0, 1]; 1 or 3 channels.
+        groups: One ``(B, N)`` per stage.
+        footprints: ``(N, H, W)`` from :func:`patch_footprints`.
+        dim: Brightness of dropped pixels.
+    """
+    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images[:, :3]
+    rgb = rgb.permute(0, 2, 3, 1).float().clamp(0, 1)  # (B, H, W, 3)
+    footprints = footprints.float()
+    dimmed = draw_panels(images, torch.zeros(rgb.shape[0], 1, *rgb.shape[1:3], dtype=torch.bool), dim)[:, 1]
+    area = footprints.sum(dim=(1, 2))  # (N,)
+    colour_sum = torch.einsum("nhw,bhwc->bnc", footprints, rgb)  # each patch's pixels, summed
+    panels = [rgb]
+    for group in groups:
+        group = group.detach().cpu()
+        held, alive = group.clamp_min(0), (group >= 0).float()
+        tokens = int(group.max()) + 1
+        totals = torch.zeros(group.shape[0], tokens, 3).index_put_(
+            (torch.arange(group.shape[0])[:, None], held), colour_sum * alive[..., None], accumulate=True)
+        pixels = torch.zeros(group.shape[0], tokens).scatter_add_(1, held, area * alive)
+        mean = totals / pixels.clamp_min(1e-12)[..., None]  # (B, tokens, 3): each group's mean colour
+        of_patch = mean.gather(1, held[..., None].expand(-1, -1, 3)) * alive[..., None]
+        cover = torch.einsum("nhw,bn->bhw", footprints, alive)  # overlapping patches: average them
+        painted = torch.einsum("nhw,bnc->bhwc", footprints, of_patch) / cover.clamp_min(1e-12)[..., None]
+        panel = torch.where(cover[..., None] > 0, painted, dimmed)
+        outlined = (panel + torch.tensor(BORDER)) / 2  # half the border colour: the colours still show
+        panels.append(torch.where(_borders(group, footprints)[..., None], outlined, panel))
+    return torch.stack(panels, dim=1)
+
+
+#: The colour of the lines between groups.
+BORDER = (1.0, 0.55, 0.1)
+
+
+def _borders(group: torch.Tensor, footprints: torch.Tensor) -> torch.Tensor:
+    """``(B, H, W)`` bool: pixels whose right or lower neighbour belongs to another group (a
+    pixel's group is that of the first patch covering it; uncovered pixels are their own)."""
+    covered = footprints.any(dim=0)
+    first = footprints.float().argmax(dim=0)  # (H, W): the first patch covering each pixel
+    pixel_group = torch.where(covered, group[:, first], -2)  # (B, H, W)
+    borders = torch.zeros_like(pixel_group, dtype=torch.bool)
+    borders[:, :, :-1] |= pixel_group[:, :, 1:] != pixel_group[:, :, :-1]
+    borders[:, :-1, :] |= pixel_group[:, 1:, :] != pixel_group[:, :-1, :]
+    return borders
+
+
 def to_display(images: torch.Tensor) -> torch.Tensor:
     """Each image min-max scaled to [0, 1], for showing a normalised model input."""
     flat = images.flatten(1)
@@ -109,8 +163,13 @@ def _as_batch(images: torch.Tensor, name: str) -> torch.Tensor:
     return images
 
 
+#: What :func:`visualize` draws per stage.
+SHOW = ("kept", "groups")
+
+
 def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Tensor] = None, *,
-              titles: Optional[List[str]] = None, dim: float = 0.25, panel_inches: float = 2.2):
+              titles: Optional[List[str]] = None, dim: float = 0.25, panel_inches: float = 2.2,
+              show: str = "kept"):
     """Run ``images`` through a patched model and draw what each stage keeps.
 
     Args:
@@ -121,11 +180,16 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         titles: One label per image (e.g. the predicted class), shown on the left.
         dim: Brightness of pruned pixels relative to kept ones.
         panel_inches: Size of one panel in the figure.
+        show: ``"kept"``: the patches still kept at full brightness, the rest dimmed.
+            ``"groups"``: every group of patches one token holds (:func:`vitprune.token_groups`)
+            in its mean colour, so merges show as flat regions; dropped patches dimmed.
 
     Returns:
         A ``matplotlib.figure.Figure``: one row per image, one column for the input and one
         per stage ("after block b: k kept").
     """
+    if show not in SHOW:
+        raise ValueError(f"unknown show {show!r}; accepted: {', '.join(map(repr, SHOW))}")
     plt = pyplot()  # the caller's backend: no switching under a notebook
 
     config = get_config(model)
@@ -143,8 +207,11 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         model(images)
     model.train(was_training)
     positions = kept_positions(model)
-    masks = kept_masks(model, tuple(images.shape[-2:]), positions)
-    panels = draw_panels(display.cpu(), masks, dim)
+    if show == "groups":
+        footprints = patch_footprints(model, tuple(images.shape[-2:]))
+        panels = group_panels(display.cpu(), token_groups(model), footprints, dim)
+    else:
+        panels = draw_panels(display.cpu(), kept_masks(model, tuple(images.shape[-2:]), positions), dim)
 
     B, columns = panels.shape[:2]
     figure, axes = plt.subplots(B, columns, figsize=(panel_inches * columns, panel_inches * B), squeeze=False)
@@ -159,11 +226,15 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
                 if c == 0:
                     axis.set_title(f"input ({total} patches)", fontsize=9)
                 else:
-                    kept = int((positions[c - 1][0] >= 0).sum())
-                    axis.set_title(f"after block {config.stages[c - 1]}: {kept} kept", fontsize=9)
+                    if show == "groups":
+                        label = f"{positions[c - 1].shape[1]} tokens"
+                    else:
+                        label = f"{int((positions[c - 1][0] >= 0).sum())} kept"
+                    axis.set_title(f"after block {config.stages[c - 1]}: {label}", fontsize=9)
         if titles is not None:
             axes[b][0].set_ylabel(titles[b], fontsize=9)
-    figure.suptitle(f"{config.indicator}, keep {config.keep_rate[0]:g}"
+    method = f"{config.indicator}, {config.selection}" if config.indicator else config.selection
+    figure.suptitle(f"{method}, {config.reduction}, keep {config.keep_rate[0]:g}"
                     + (f", stride {config.overlap_stride}" if config.overlap_stride else ""), fontsize=10)
     figure.tight_layout()
     return figure
