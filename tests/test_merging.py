@@ -111,7 +111,7 @@ def test_bipartite_merge_by_hand():
     assert new_sizes.tolist() == [[1.0, 4.0, 1.0, 2.0]]
     # patches 0 and 1 are now token 1 (destination 0 after the one candidate that stays),
     # patch 2 token 2, patch 3 (the candidate that stays) token 0, patch 4 token 3
-    assert bipartite_slots(result, 5).tolist() == [[1, 1, 2, 0, 3]]
+    assert bipartite_slots(result.stays, result.removed, result.dest, 5).tolist() == [[1, 1, 2, 0, 3]]
 
 
 def test_token_slots_by_hand():
@@ -137,7 +137,8 @@ def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
         merged = bipartite_merge(tokens, keys, sizes, k, P)
         assert torch.equal(merged.tokens, expected) and torch.equal(merged.sizes, expected_sizes)
         assert torch.equal(bipartite_keep(merged.stays, n), matched.keep)
-        assert torch.equal(bipartite_slots(merged, n), token_slots(matched.keep, matched.drop, matched.dest))
+        slots = bipartite_slots(merged.stays, merged.removed, merged.dest, n)
+        assert torch.equal(slots, token_slots(matched.keep, matched.drop, matched.dest))
 
 
 def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merging(tiny, monkeypatch):

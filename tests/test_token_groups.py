@@ -80,3 +80,12 @@ def test_a_compiled_forward_records_no_groups_and_says_so():
     with torch.no_grad():
         model(x)
     assert len(vitprune.token_groups(model)) == 4
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=str)
+def test_the_records_hold_indices_not_tokens(options):
+    # what stays behind after a forward for token_groups must not keep activations alive
+    model = run(options)
+    records = model.vitprune_state.records
+    held = [a for _, make in records._slots.values() for a in make.args if isinstance(a, torch.Tensor)]
+    assert held and all(not t.is_floating_point() for t in held)

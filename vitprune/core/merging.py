@@ -276,10 +276,10 @@ def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([stays * 2 + 1, destinations], dim=1)
 
 
-def bipartite_slots(merged: Merged, n: int) -> torch.Tensor:
-    """:func:`token_slots` of a :func:`bipartite_merge` over ``n`` tokens."""
-    m = merged.stays.shape[1]
-    return token_slots(bipartite_keep(merged.stays, n), merged.removed * 2 + 1, merged.dest + m)
+def bipartite_slots(stays: torch.Tensor, removed: torch.Tensor, dest: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`token_slots` of a :func:`bipartite_merge` over ``n`` tokens, from its
+    ``stays``, ``removed`` and ``dest`` (index tensors: a record of them holds no tokens)."""
+    return token_slots(bipartite_keep(stays, n), removed * 2 + 1, dest + stays.shape[1])
 
 
 def token_slots(keep: torch.Tensor, drop: torch.Tensor, into: "torch.Tensor | int") -> torch.Tensor:

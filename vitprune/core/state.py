@@ -254,7 +254,7 @@ class PruneState:
         if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= n:
             merged = bipartite_merge(x, scored.keys, sizes, k, P)  # the defaults' one round
             return (merged.tokens, functools.partial(bipartite_keep, merged.stays, n), None, merged.sizes,
-                    functools.partial(bipartite_slots, merged, n))
+                    functools.partial(bipartite_slots, merged.stays, merged.removed, merged.dest, n))
         removed_into = k if config.reduction == "fuse" else -1  # the fusion token follows the kept ones
         if config.selection == "top" and config.reduction != "merge":
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
