@@ -91,16 +91,11 @@ def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] 
     sizes = metric.new_ones(B, n) if sizes is None else sizes.to(metric.dtype)
     slot = torch.arange(n, device=metric.device).expand(B, n)  # each token's place among the current ones
     origin = slot  # each current token's original index
-    current = n
     for after in bipartite_rounds(n, k):
         step = _bipartite_round(metric, after)
-        place = torch.empty_like(slot[:, :current])
-        place.scatter_(1, step.keep, torch.arange(step.keep.shape[1], device=metric.device).expand_as(step.keep))
-        place.scatter_(1, step.drop, step.dest)
-        slot, origin = place.gather(1, slot), origin.gather(1, step.keep)
+        slot, origin = token_slots(step.keep, step.drop, step.dest).gather(1, slot), origin.gather(1, step.keep)
         merged, sizes = merge_tokens(metric, sizes, step)
         metric = merged / merged.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        current = after
     kept = torch.zeros(B, n, device=metric.device).scatter(1, origin, 1.0)
     drop = descending_order(-kept)[:, :n - k]  # the tokens not kept, in index order
     return Matched(origin, drop, slot.gather(1, drop))
