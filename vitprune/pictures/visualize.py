@@ -82,12 +82,21 @@ def draw_panels(images: torch.Tensor, masks: torch.Tensor, dim: float = 0.25) ->
         images: ``(B, C, H, W)`` with values in [0, 1]; 1 or 3 channels.
         masks: ``(B, S, H, W)`` bool from :func:`kept_masks`.
     """
-    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images[:, :3]
-    rgb = rgb.permute(0, 2, 3, 1).float().clamp(0, 1)  # (B, H, W, 3)
-    tint = torch.tensor([0.15, 0.18, 0.3])
-    pruned = rgb * dim + tint * (1 - dim) * 0.5
+    rgb = _rgb(images)
+    pruned = _dimmed(rgb, dim)
     panels = [rgb] + [torch.where(masks[:, s, :, :, None], rgb, pruned) for s in range(masks.shape[1])]
     return torch.stack(panels, dim=1)
+
+
+def _rgb(images: torch.Tensor) -> torch.Tensor:
+    """``(B, H, W, 3)`` float in [0, 1] from ``(B, C, H, W)`` images of 1 or 3 channels."""
+    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images[:, :3]
+    return rgb.permute(0, 2, 3, 1).float().clamp(0, 1)
+
+
+def _dimmed(rgb: torch.Tensor, dim: float) -> torch.Tensor:
+    """Pixels of removed patches: scaled by ``dim`` and tinted blue-grey."""
+    return rgb * dim + torch.tensor([0.15, 0.18, 0.3]) * (1 - dim) * 0.5
 
 
 def group_panels(images: torch.Tensor, groups: Sequence[torch.Tensor], footprints: torch.Tensor,
@@ -103,10 +112,9 @@ def group_panels(images: torch.Tensor, groups: Sequence[torch.Tensor], footprint
         footprints: ``(N, H, W)`` from :func:`patch_footprints`.
         dim: Brightness of dropped pixels.
     """
-    rgb = images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images[:, :3]
-    rgb = rgb.permute(0, 2, 3, 1).float().clamp(0, 1)  # (B, H, W, 3)
+    rgb = _rgb(images)
     footprints = footprints.float()
-    dimmed = draw_panels(images, torch.zeros(rgb.shape[0], 1, *rgb.shape[1:3], dtype=torch.bool), dim)[:, 1]
+    dimmed = _dimmed(rgb, dim)
     area = footprints.sum(dim=(1, 2))  # (N,)
     colour_sum = torch.einsum("nhw,bhwc->bnc", footprints, rgb)  # each patch's pixels, summed
     panels = [rgb]
