@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import timm
@@ -136,3 +137,16 @@ def test_show_bad_input_exits_non_zero_with_a_message(tmp_path, make_args, messa
     (tmp_path / "notes.txt").write_text("not an image")
     assert main(["show", *make_args(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_show_draws_the_groups_of_a_shipped_checkpoint(tmp_path, capsys):
+    Image.fromarray(torch.randint(0, 255, (28, 28), dtype=torch.uint8).numpy()).save(tmp_path / "item.png")
+    out = tmp_path / "groups.png"
+    checkpoint = Path(vitprune.__file__).parent / "assets" / "fashion_mnist_vit.pt"
+    assert main(["show", str(tmp_path / "item.png"), "--checkpoint", str(checkpoint), "--keep-rate", "0.5",
+                 "--view", "groups", "--out", str(out)]) == 0
+    with Image.open(out) as picture:
+        assert picture.format == "PNG"
+    with pytest.raises(SystemExit):
+        main(["show", str(tmp_path / "item.png"), "--view", "merged"])
+    assert "invalid choice: 'merged'" in capsys.readouterr().err
