@@ -1,6 +1,6 @@
 """Several threads running one patched model at once (an inference server sharing a model
-across workers): every output, and every thread's ``kept_positions``, equal what the same
-forward gives alone."""
+across workers): every output, and every thread's ``kept_positions`` and ``token_groups``,
+equal what the same forward gives alone."""
 
 import threading
 
@@ -15,7 +15,7 @@ THREADS, FORWARDS = 4, 3
 
 def run_together(model, inputs):
     """Each thread runs its inputs in turn, all threads starting at once; returns per thread
-    a list of (output, kept positions) in input order."""
+    a list of (output, kept positions, token groups) in input order."""
     start = threading.Barrier(len(inputs))
     results = [None] * len(inputs)
     errors = []
@@ -27,7 +27,7 @@ def run_together(model, inputs):
             for x in inputs[index]:
                 with torch.no_grad():
                     out = model(x)
-                mine.append((out, vitprune.kept_positions(model)))
+                mine.append((out, vitprune.kept_positions(model), vitprune.token_groups(model)))
             results[index] = mine
         except Exception as error:  # re-raised below, in the test's thread
             errors.append(error)
@@ -53,10 +53,11 @@ def test_threads_sharing_a_patched_model_get_their_own_results(name, options):
         mine = []
         for x in batch:
             with torch.no_grad():
-                mine.append((model(x), vitprune.kept_positions(model)))
+                mine.append((model(x), vitprune.kept_positions(model), vitprune.token_groups(model)))
         expected.append(mine)
     got = run_together(model, inputs)
     for thread_expected, thread_got in zip(expected, got):
-        for (out, kept), (out_t, kept_t) in zip(thread_expected, thread_got):
+        for (out, kept, groups), (out_t, kept_t, groups_t) in zip(thread_expected, thread_got):
             torch.testing.assert_close(out_t, out, rtol=1e-5, atol=1e-6)
             assert len(kept_t) == len(kept) and all(torch.equal(a, b) for a, b in zip(kept_t, kept))
+            assert len(groups_t) == len(groups) and all(torch.equal(a, b) for a, b in zip(groups_t, groups))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vitprune
-from conftest import images, paper, small_vit
+from conftest import FAMILIES, build, images, paper, small_vit
 from vitprune.core.state import ForwardRecords
 
 #: The defaults (bipartite merge, every block), bipartite in rounds, score-guided merging,
@@ -89,3 +89,15 @@ def test_the_records_hold_indices_not_tokens(options):
     records = model.vitprune_state.records
     held = [a for _, make in records._slots.values() for a in make.args if isinstance(a, torch.Tensor)]
     assert held and all(not t.is_floating_point() for t in held)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_groups_each_patch_once_into_tokens_as_large_as_their_sizes(name):
+    model = vitprune.patch(build(name), keep_rate=0.5)
+    with torch.no_grad():
+        model(images(model, batch=2))
+    sizes = model.vitprune_state.stage_sizes
+    for stage, group in enumerate(vitprune.token_groups(model)):
+        assert (group >= 0).all()  # merging keeps every patch in some token
+        counts = torch.zeros_like(sizes[stage]).scatter_add_(1, group, torch.ones_like(group, dtype=sizes[stage].dtype))
+        assert torch.equal(counts, sizes[stage])
