@@ -11,6 +11,7 @@ from typing import Tuple
 
 from ..core.config import INDICATORS
 from ..data import DATASETS
+from ..pictures import SHOW
 
 #: ``bench``/``eval`` setting name for vitprune's defaults (rather than the paper's method).
 DEFAULT = "default"
@@ -118,7 +119,7 @@ random weights, and what it keeps says nothing about the image.""")
     parser.add_argument("--stages", type=stage_list, default=None,
                         help="comma-separated block indices, e.g. 3,6,9 (default: the paper's, scaled)")
     parser.add_argument("--overlap-stride", type=int, default=None, help="patch-embedding stride (overlap)")
-    parser.add_argument("--view", choices=("kept", "groups"), default="kept",
+    parser.add_argument("--view", choices=SHOW, default="kept",
                         help="kept: pruned patches dimmed; groups: the patches each token holds, in their "
                              "mean colour (what merging made)")
     parser.add_argument("--out", default="kept.png", help="where to write the PNG")

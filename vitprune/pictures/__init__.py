@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+#: What ``visualize`` draws per stage: the kept patches, or the groups each token holds
+#: (here, not in ``visualize``, so the command line reads it without importing torch).
+SHOW = ("kept", "groups")
+
 
 def pyplot(files_only: bool = False) -> Any:
     """``matplotlib.pyplot``, or an ``ImportError`` that says how to install it.

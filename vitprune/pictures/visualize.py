@@ -8,7 +8,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import pyplot
+from . import SHOW, pyplot
 from ..core.grid import patch_conv
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 
@@ -169,10 +169,6 @@ def _as_batch(images: torch.Tensor, name: str) -> torch.Tensor:
     if images.shape[0] == 0:
         raise ValueError(f"{name} holds no image (a batch of 0): there is nothing to draw")
     return images
-
-
-#: What :func:`visualize` draws per stage.
-SHOW = ("kept", "groups")
 
 
 def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Tensor] = None, *,
