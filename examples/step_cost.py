@@ -1,0 +1,113 @@
+"""What the defaults' reduction step costs in a CPU forward, against the compute it saves.
+
+Four settings of one model, timed in turns in one process (interleaved, rotating order,
+median; see ``vitprune bench``), each as a speedup over the unpruned model and as a share
+of its ideal speedup (the ratio of analytic FLOPs):
+
+- ``unpruned``;
+- ``defaults``: ``vitprune.patch(model, keep_rate=K)``;
+- ``defaults, free step``: the same patch with its matching and merging replaced by a slice
+  to the same token counts (the rest of the patch, size-aware attention included, runs as
+  before): what the defaults would read if their reduction step cost nothing. The gap
+  between the two rows is the step's cost; the gap between this row and 100 % is what the
+  smaller matrix products themselves give up;
+- ``paper (var)``: the paper's three stages with one fusion token.
+
+    python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
+
+Random weights (timing only; the free step's outputs are not meaningful). Run it with
+nothing else on the machine: a second busy core moves the ratios by a fifth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import platform
+from typing import Callable, Dict, Iterator
+
+import timm
+import torch
+
+import vitprune
+import vitprune.core.state as state_module
+from vitprune.commands.bench import time_interleaved
+from vitprune.core.config import PruneConfig
+from vitprune.core.merging import Merged
+from vitprune.measure.flops import schedule_flops
+
+PAPER = dict(indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False)
+
+
+def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int) -> Merged:
+    """A stand-in for ``merging.bipartite_merge`` that costs two views: the first ``k``
+    tokens and sizes. Its index fields are placeholders; nothing in a timed forward reads them."""
+    return Merged(tokens[:, :num_prefix + k], sizes[:, :k], sizes, sizes, sizes)
+
+
+@contextlib.contextmanager
+def free_step() -> Iterator[None]:
+    """Within the block, patched models reduce with :func:`free_merge`."""
+    real = state_module.bipartite_merge
+    state_module.bipartite_merge = free_merge
+    try:
+        yield
+    finally:
+        state_module.bipartite_merge = real
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="deit_small_patch16_224")
+    parser.add_argument("--keep-rate", type=float, default=0.7)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=31)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="write the table here as JSON")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    model = timm.create_model(args.model, pretrained=False).eval()
+    defaults = PruneConfig(keep_rate=args.keep_rate)
+    paper = PruneConfig(keep_rate=args.keep_rate, **PAPER)
+    models = {"unpruned": model,
+              "defaults": vitprune.patch(copy.deepcopy(model), defaults),
+              "defaults, free step": vitprune.patch(copy.deepcopy(model), defaults),
+              "paper (var)": vitprune.patch(copy.deepcopy(model), paper)}
+    flops = {"unpruned": schedule_flops(model, None), "defaults": schedule_flops(model, defaults),
+             "paper (var)": schedule_flops(model, paper)}
+    flops["defaults, free step"] = flops["defaults"]
+    x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
+
+    def step(name: str) -> Callable[[], None]:
+        context = free_step if name == "defaults, free step" else contextlib.nullcontext
+
+        def run() -> None:
+            with torch.inference_mode(), context():
+                models[name](x)
+        return run
+
+    seconds: Dict[str, float] = time_interleaved({name: step(name) for name in models}, args.rounds, args.warmup,
+                                                 sync=lambda: None)
+    rows = []
+    print(f"{args.model}, batch {args.batch}, keep {args.keep_rate:g}, {args.threads} threads, "
+          f"{args.rounds} rounds, torch {torch.__version__}, timm {timm.__version__}")
+    print(f"{'setting':<22} {'GFLOPs':>7} {'speedup':>8} {'ideal':>6} {'achieved / ideal':>17}")
+    for name in models:
+        speedup = seconds["unpruned"] / seconds[name]
+        ideal = flops["unpruned"] / flops[name]
+        rows.append(dict(setting=name, gflops=flops[name] / 1e9, speedup=speedup, ideal=ideal,
+                         achieved=speedup / ideal, median_s=seconds[name]))
+        print(f"{name:<22} {flops[name] / 1e9:>7.2f} {speedup:>7.3f}x {ideal:>5.2f}x {100 * speedup / ideal:>16.1f}%")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(command=vars(args), torch=torch.__version__, timm=timm.__version__,
+                           machine=platform.processor() or platform.machine(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The step-cost benchmark's stand-in step (examples/step_cost.py) leaves the tokens the real one does."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitprune
+import vitprune.core.state as state_module
+from conftest import images, small_vit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import step_cost  # noqa: E402
+
+
+def block_token_counts(model, x):
+    """The tokens each block hands on, and the model's output."""
+    counts = []
+    hooks = [block.register_forward_hook(lambda module, args, out: counts.append(out.shape[1]))
+             for block in model.blocks]
+    try:
+        with torch.inference_mode():
+            out = model(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts, out
+
+
+def test_the_free_step_leaves_the_same_token_counts_as_the_real_one():
+    model = vitprune.patch(small_vit(), keep_rate=0.5)
+    x = images(model, batch=2)
+    real, real_out = block_token_counts(model, x)
+    with step_cost.free_step():
+        free, free_out = block_token_counts(model, x)
+    assert free == real
+    assert real[-1] < real[0]  # the real step did reduce
+    assert not torch.allclose(free_out, real_out)  # and the free one stood in for it
+
+
+def test_the_free_step_is_confined_to_its_block():
+    real = state_module.bipartite_merge
+    with pytest.raises(RuntimeError, match="inside"):
+        with step_cost.free_step():
+            assert state_module.bipartite_merge is step_cost.free_merge
+            raise RuntimeError("inside")
+    assert state_module.bipartite_merge is real
