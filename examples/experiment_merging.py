@@ -43,6 +43,7 @@ from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 from vitprune.data.accuracy import accuracy
 from vitprune.measure.flops import schedule_flops
+from experiments_common import merge_results
 from reporting import markdown_table, mean_std, paired, percent, summarise, unique_runs
 
 BASELINE = "token merging (baseline)"
@@ -180,11 +181,7 @@ def difference(cell: Optional[Dict[str, Any]]) -> str:
 
 
 def report(paths: List[str], docs: Path, out_name: str, note: str = "") -> None:
-    rows, commands = [], []
-    for path in paths:
-        record = json.loads(Path(path).read_text())
-        rows += record["rows"]
-        commands.append(record["command"])
+    rows, commands = merge_results(paths)  # a merged file lists the commands of its runs
     rows = unique_runs(rows, RUN)
     summary = summarise(rows, ["dataset", "method", "budget"])
     differences = {(d["dataset"], d["method"], d["budget"]): d
