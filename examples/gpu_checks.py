@@ -19,6 +19,7 @@ import timm
 import torch
 
 import vitprune
+from vitprune.core.config import PAPER_OPTIONS
 from vitprune.data import datasets
 from vitprune.data import shipped as demo_models
 
@@ -37,8 +38,8 @@ def main() -> int:
         model, _ = demo_models.load_shipped(dataset)
         model = model.to(device)
         x = datasets.to_input(demo_models.load_test_subset(dataset)[0]).to(device)
-        paper = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
-        for name, options in (("var", dict(indicator="var", **paper)), ("medad", dict(indicator="medad", **paper)),
+        for name, options in (("var", dict(indicator="var", **PAPER_OPTIONS)),
+                              ("medad", dict(indicator="medad", **PAPER_OPTIONS)),
                               ("defaults", {})):
             vitprune.patch(model, keep_rate=0.7, **options)
             with torch.no_grad():

@@ -18,12 +18,13 @@ import timm
 import torch
 
 import vitprune
+from vitprune.core.config import PAPER_OPTIONS
 
 
 def main() -> None:
     torch.manual_seed(0)
     model = timm.create_model("deit_small_patch16_224").cuda().eval()
-    paper = dict(indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False)
+    paper = dict(indicator="var", **PAPER_OPTIONS)
     models = {"unpruned": model, "defaults": vitprune.patch(copy.deepcopy(model), keep_rate=0.7),
               "var": vitprune.patch(copy.deepcopy(model), keep_rate=0.7, **paper)}
     x = torch.randn(256, 3, 224, 224, device="cuda")

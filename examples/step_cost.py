@@ -34,12 +34,9 @@ import torch
 import vitprune
 import vitprune.core.state as state_module
 from vitprune.commands.bench import time_interleaved
-from vitprune.core.config import PruneConfig
+from vitprune.core.config import PAPER_OPTIONS, PruneConfig
 from vitprune.core.merging import Merged
 from vitprune.measure.flops import schedule_flops
-
-PAPER = dict(indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False)
-
 
 def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int) -> Merged:
     """A stand-in for ``merging.bipartite_merge`` that costs two views: the first ``k``
@@ -73,7 +70,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = timm.create_model(args.model, pretrained=False).eval()
     defaults = PruneConfig(keep_rate=args.keep_rate)
-    paper = PruneConfig(keep_rate=args.keep_rate, **PAPER)
+    paper = PruneConfig(indicator="var", keep_rate=args.keep_rate, **PAPER_OPTIONS)
     models = {"unpruned": model,
               "defaults": vitprune.patch(copy.deepcopy(model), defaults),
               "defaults, free step": vitprune.patch(copy.deepcopy(model), defaults),

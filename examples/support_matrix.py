@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 import vitprune
 from vitprune.commands.bench import make_step, time_interleaved
+from vitprune.core.config import PAPER_OPTIONS
 from vitprune.core.grid import input_size
 from vitprune.measure.flops import count_flops
 from reporting import markdown_table
@@ -61,7 +62,7 @@ FAMILIES: List[Tuple[str, str, Dict]] = [
 
 #: The paper's method: the matrix's speedups were measured with it (vitprune's defaults merge
 #: in every block instead; README, "Measured on CPU").
-PAPER = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
+PAPER = PAPER_OPTIONS
 
 
 def measure(name: str, kwargs: Dict, batch: int, rounds: int) -> Dict:

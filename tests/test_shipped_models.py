@@ -3,8 +3,11 @@
 import pytest
 import torch
 
+import vitprune
+from conftest import PAPER, small_vit
 from vitprune.data import datasets
 from vitprune.commands.cli import main
+from vitprune.commands.demo import settings_of
 from vitprune.data.shipped import checkpoint_path, load_shipped, load_test_subset, subset_path
 from vitprune.data.accuracy import accuracy
 
@@ -44,6 +47,19 @@ def test_demo_runs_and_writes_a_plot(tmp_path, capsys):
     assert "var keep 0.7" in text and "medad keep 0.7" in text and "unpruned" in text
     assert "default keep 0.7" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_demos_paper_rows_run_the_papers_method():
+    # its three stages, the top-scored tokens, one fusion token, plain attention: not the
+    # defaults' schedule with the paper's indicator
+    paper_rows = [(rate, options) for method, rate, options in settings_of(["var", "medad"], [0.7])
+                  if method.endswith("(paper)")]
+    assert len(paper_rows) == 2
+    for rate, options in paper_rows:
+        config = vitprune.get_config(vitprune.patch(small_vit(), keep_rate=rate, **options))
+        expected = vitprune.get_config(vitprune.patch(small_vit(), keep_rate=rate, indicator=options["indicator"],
+                                                      **PAPER))
+        assert config == expected and config.stages == (3, 6, 9)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import SPREAD, PruneConfig
+from ..core.config import PAPER_OPTIONS, SPREAD, PruneConfig
 from ..core.grid import input_size
 from ..core.patching import check_model, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
@@ -72,8 +72,8 @@ class Setting:
         if self.indicator == DEFAULT:
             return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
                                overlap_stride=self.overlap_stride)
-        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, stages=self.stages,
-                           overlap_stride=self.overlap_stride, selection="top", reduction="fuse", size_aware=False)
+        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, overlap_stride=self.overlap_stride,
+                           **{**PAPER_OPTIONS, "stages": self.stages})
 
 
 @dataclass

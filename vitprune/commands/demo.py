@@ -2,8 +2,8 @@
 
 For each dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of
 vitprune's defaults (merging, size-aware attention) and of the paper's method (var and
-medad, one fusion token) at several keep rates, then a plot of accuracy against GFLOPs
-(one line per method). Needs no download: the models and test subsets ship in the
+medad, its three stages, one fusion token) at several keep rates, then a plot of accuracy
+against GFLOPs (one line per method). Needs no download: the models and test subsets ship in the
 package.
 """
 
@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Sequence
 
 import torch
 
+from ..core.config import PAPER_OPTIONS
 from ..core.patching import patch
 from ..data.accuracy import accuracy
 from ..data.datasets import to_input
@@ -24,11 +25,6 @@ from ..measure.flops import analytic_flops
 from ..pictures import pyplot
 from ..pictures.frontier import draw_frontier
 from .bench import time_interleaved
-
-
-
-#: The paper's method, shown beside the defaults for each of its indicators.
-PAPER_OPTIONS = dict(selection="top", reduction="fuse", size_aware=False)
 
 
 def settings_of(indicators: Sequence[str], keep_rates: Sequence[float]) -> list:

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Literal, Optional, Tuple, Union, get_args
+from types import MappingProxyType
+from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -28,6 +29,11 @@ SPREAD = "spread"
 
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
+
+#: The paper's method besides its indicator, as ``patch`` options: its three stages, the
+#: top-scored tokens kept, the rest fused into one token, plain attention.
+PAPER_OPTIONS: Mapping[str, Any] = MappingProxyType(
+    dict(stages=None, selection="top", reduction="fuse", size_aware=False))
 
 
 def default_stages(depth: int) -> Tuple[int, ...]:

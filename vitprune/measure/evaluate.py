@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from ..core.config import INDICATORS
+from ..core.config import INDICATORS, PAPER_OPTIONS
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -27,8 +27,6 @@ from .outputs import logits_of
 #: Method names: vitprune's defaults, the paper's method with each indicator, token merging.
 DEFAULT, MERGING = "default", "merging"
 METHODS = (DEFAULT, *INDICATORS)
-#: The paper's method besides its indicator.
-PAPER_OPTIONS = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
 
 
 @dataclass(frozen=True)
