@@ -38,6 +38,7 @@ from vitprune.core.config import PAPER_OPTIONS, PruneConfig
 from vitprune.core.merging import Merged
 from vitprune.measure.flops import schedule_flops
 
+
 def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int) -> Merged:
     """A stand-in for ``merging.bipartite_merge`` that costs two views: the first ``k``
     tokens and sizes. Its index fields are placeholders; nothing in a timed forward reads them."""
@@ -46,7 +47,7 @@ def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k:
 
 @contextlib.contextmanager
 def free_step() -> Iterator[None]:
-    """Within the block, patched models reduce with :func:`free_merge`."""
+    """Inside the ``with`` block, patched models reduce with :func:`free_merge`."""
     real = state_module.bipartite_merge
     state_module.bipartite_merge = free_merge
     try:
