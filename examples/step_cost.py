@@ -38,6 +38,9 @@ from vitprune.core.config import PAPER_OPTIONS, PruneConfig
 from vitprune.core.merging import Merged
 from vitprune.measure.flops import schedule_flops
 
+#: The row whose patch reduces with :func:`free_merge`.
+FREE = "defaults, free step"
+
 
 def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int) -> Merged:
     """A stand-in for ``merging.bipartite_merge`` that costs two views: the first ``k``
@@ -74,15 +77,15 @@ def main() -> None:
     paper = PruneConfig(indicator="var", keep_rate=args.keep_rate, **PAPER_OPTIONS)
     models = {"unpruned": model,
               "defaults": vitprune.patch(copy.deepcopy(model), defaults),
-              "defaults, free step": vitprune.patch(copy.deepcopy(model), defaults),
+              FREE: vitprune.patch(copy.deepcopy(model), defaults),
               "paper (var)": vitprune.patch(copy.deepcopy(model), paper)}
     flops = {"unpruned": schedule_flops(model, None), "defaults": schedule_flops(model, defaults),
              "paper (var)": schedule_flops(model, paper)}
-    flops["defaults, free step"] = flops["defaults"]
+    flops[FREE] = flops["defaults"]
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
 
     def step(name: str) -> Callable[[], None]:
-        context = free_step if name == "defaults, free step" else contextlib.nullcontext
+        context = free_step if name == FREE else contextlib.nullcontext
 
         def run() -> None:
             with torch.inference_mode(), context():

@@ -60,21 +60,18 @@ FAMILIES: List[Tuple[str, str, Dict]] = [
 ]
 
 
-#: The paper's method: the matrix's speedups were measured with it (vitprune's defaults merge
-#: in every block instead; README, "Measured on CPU").
-PAPER = PAPER_OPTIONS
-
-
 def measure(name: str, kwargs: Dict, batch: int, rounds: int) -> Dict:
+    """Error and speedup of the paper's method (vitprune's defaults merge in every block
+    instead; README, "Measured on CPU") on one model, or why it is refused."""
     torch.manual_seed(0)
     model = timm.create_model(name, **kwargs).eval()
     try:
-        pruned = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=0.7, **PAPER)
+        pruned = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=0.7, **PAPER_OPTIONS)
     except TypeError as error:
         reason = str(error).split("; supported:")[0]
         return {"supported": False, "reason": reason.split(": ", 1)[-1]}
     x = torch.randn(batch, 3, *input_size(model, kwargs.get("img_size")), generator=torch.Generator().manual_seed(1))
-    equal = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=1.0, **PAPER)
+    equal = vitprune.patch(copy.deepcopy(model), indicator="var", keep_rate=1.0, **PAPER_OPTIONS)
     with torch.no_grad():
         error = (equal(x) - model(x)).abs().max().item()
     seconds = time_interleaved({"unpruned": make_step(model, x, "infer", torch.float32),
