@@ -1,4 +1,9 @@
-"""torch.compile sees one graph and gives the eager outputs (a small model keeps this quick)."""
+"""torch.compile sees one graph and gives the eager outputs (a small model keeps this quick).
+
+The defaults and the paper's method go through inductor, the compiler users get; the other
+modes through ``aot_eager``: the same graph capture (dynamo, so ``fullgraph`` still fails on
+any graph break) and AOTAutograd's functionalised graph, without inductor's C++ build, which
+is most of a cold test's minute on 2 cores."""
 
 import pytest
 import timm
@@ -9,21 +14,23 @@ import vitprune
 from conftest import paper
 
 
-#: The paper's fusion token, the defaults (bipartite merge, size-aware), bipartite keeping fewer
-#: than half (evenly spaced destinations), and score-guided merging.
-MODES = [paper(stages=(1, 2)), {}, dict(keep_rate=0.3), dict(selection="redundant", stages=(1, 2)),
-         dict(selection="top", reduction="drop", stages="all", keep_rate=0.9)]
+#: The paper's fusion token and the defaults (bipartite merge, size-aware) through inductor;
+#: bipartite keeping fewer than half (evenly spaced destinations), score-guided merging and
+#: dropping in every block through aot_eager.
+MODES = [(paper(stages=(1, 2)), "inductor"), ({}, "inductor"), (dict(keep_rate=0.3), "aot_eager"),
+         (dict(selection="redundant", stages=(1, 2)), "aot_eager"),
+         (dict(selection="top", reduction="drop", stages="all", keep_rate=0.9), "aot_eager")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", MODES, ids=str)
-def test_compiled_patched_model_matches_eager_without_graph_breaks(options):
+@pytest.mark.parametrize("options, backend", MODES, ids=str)
+def test_compiled_patched_model_matches_eager_without_graph_breaks(options, backend):
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
     vitprune.patch(model, indicator="medad", **{"keep_rate": 0.6, **options})
     x = torch.randn(3, 3, 64, 64)
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break raises
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
     with torch.no_grad():
         expected = model(x)
         eager_kept = vitprune.kept_positions(model)
@@ -39,7 +46,7 @@ def test_compiled_model_does_not_recompile_across_batches_of_one_shape():
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
     vitprune.patch(model, indicator="var", keep_rate=0.6, stages=(1, 2))
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend="aot_eager")  # guards and recompiles are dynamo's
     with torch._dynamo.config.patch(error_on_recompile=True), torch.no_grad():
         for seed in range(3):  # new values each time, same shape: one graph serves them all
             x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
