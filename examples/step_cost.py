@@ -11,7 +11,12 @@ of its ideal speedup (the ratio of analytic FLOPs):
   before): what the defaults would read if their reduction step cost nothing. The gap
   between the two rows is the step's cost; the gap between this row and 100 % is what the
   smaller matrix products themselves give up;
-- ``paper (var)``: the paper's three stages with one fusion token.
+- ``paper (var)``: the paper's three stages with one fusion token;
+- ``defaults' method, every S blocks`` (``--every``, default 2 and 3): the defaults' matching
+  and merging in blocks ``S - 1, 2 S - 1, ...`` only, its keep rate fitted to the defaults'
+  FLOPs (``fit_keep_rate``): the same cost in fewer, larger steps, so fewer per-step
+  operations. Its accuracy is not the defaults': on our six-block models every second
+  block is three stages, the 'bipartite, merge, 3 stages' row of docs/merging.md.
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
@@ -59,6 +64,13 @@ def free_step() -> Iterator[None]:
         state_module.bipartite_merge = real
 
 
+def every(model: torch.nn.Module, step: int, gflops: float) -> PruneConfig:
+    """The defaults' method in every ``step``-th block (``step - 1, 2 step - 1, ...``), with
+    the largest keep rate whose analytic FLOPs fit ``gflops``."""
+    stages = tuple(range(step - 1, len(model.blocks), step))
+    return PruneConfig(keep_rate=vitprune.fit_keep_rate(model, gflops, stages=stages), stages=stages)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deit_small_patch16_224")
@@ -67,6 +79,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--every", type=int, nargs="*", default=[2, 3],
+                        help="also the defaults' method in every S-th block only, at the defaults' FLOPs")
     parser.add_argument("--json", help="write the table here as JSON")
     args = parser.parse_args()
 
@@ -82,6 +96,10 @@ def main() -> None:
     flops = {"unpruned": schedule_flops(model, None), "defaults": schedule_flops(model, defaults),
              "paper (var)": schedule_flops(model, paper)}
     flops[FREE] = flops["defaults"]
+    for step in args.every:
+        config = every(model, step, flops["defaults"] / 1e9)
+        name = f"defaults' method, every {step} blocks (keep {config.keep_rate:.3f})"
+        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
 
     def step(name: str) -> Callable[[], None]:
@@ -97,13 +115,14 @@ def main() -> None:
     rows = []
     print(f"{args.model}, batch {args.batch}, keep {args.keep_rate:g}, {args.threads} threads, "
           f"{args.rounds} rounds, torch {torch.__version__}, timm {timm.__version__}")
-    print(f"{'setting':<22} {'GFLOPs':>7} {'speedup':>8} {'ideal':>6} {'achieved / ideal':>17}")
+    width = max(map(len, models))
+    print(f"{'setting':<{width}} {'GFLOPs':>7} {'speedup':>8} {'ideal':>6} {'achieved / ideal':>17}")
     for name in models:
         speedup = seconds["unpruned"] / seconds[name]
         ideal = flops["unpruned"] / flops[name]
         rows.append(dict(setting=name, gflops=flops[name] / 1e9, speedup=speedup, ideal=ideal,
                          achieved=speedup / ideal, median_s=seconds[name]))
-        print(f"{name:<22} {flops[name] / 1e9:>7.2f} {speedup:>7.3f}x {ideal:>5.2f}x {100 * speedup / ideal:>16.1f}%")
+        print(f"{name:<{width}} {flops[name] / 1e9:>7.2f} {speedup:>7.3f}x {ideal:>5.2f}x {100 * speedup / ideal:>16.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=vars(args), torch=torch.__version__, timm=timm.__version__,

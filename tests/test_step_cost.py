@@ -47,3 +47,15 @@ def test_the_free_step_is_confined_to_its_block():
             assert state_module.bipartite_merge is step_cost.free_merge
             raise RuntimeError("inside")
     assert state_module.bipartite_merge is real
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_every_fits_the_defaults_method_to_the_budget_in_every_step_th_block(step):
+    from vitprune.measure.flops import schedule_flops
+
+    model = small_vit()
+    budget = 0.8 * schedule_flops(model, None) / 1e9
+    config = step_cost.every(model, step, budget)
+    assert config.stages == tuple(range(step - 1, len(model.blocks), step))
+    assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
+    assert config.keep_rate < 1 and schedule_flops(model, config) / 1e9 <= budget

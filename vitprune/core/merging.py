@@ -214,8 +214,9 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     The step runs in every block, and a batch-1 CPU forward pays per operation rather than
     per byte there (each costs a few microseconds after the block's matrix products), so the
     rows are indexed once, in the flattened batch, for the selection and the merge alike;
-    every destination row is scaled in place by its own share (1 where nothing arrives),
-    and an eager batch of one skips the per-image row offsets.
+    every destination row is scaled in place by its own share (1 where nothing arrives).
+    A batch of one indexes its image's rows directly, with no row offsets to build (about
+    a tenth of the step's time on a 2-core CPU).
 
     Args:
         tokens: ``(B, P + n, C)``.
@@ -240,28 +241,32 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     ranked = descending_order(best)  # no gradient reaches the matching: only indices leave it
     removed, stays = ranked[:, :n - k], ranked[:, n - k:].sort(dim=1).values
     m = stays.shape[1]
-    # rows of the flattened batch: image b's token t is row b L + t, candidate c is token P + 2 c + 1
-    grid = torch.arange(B * L, device=tokens.device).view(B, L)
-    first_candidate = grid[:, P + 1:P + 2]
-    source = torch.cat([grid[:, :P], torch.add(first_candidate, stays, alpha=2), grid[:, P::2]], dim=1)
-    flat = tokens.reshape(B * L, C)
-    out = flat.index_select(0, source.view(-1))  # prefix, candidates that stay, destinations
-
     dest = partner.gather(1, removed)  # each removed candidate's destination, 0.. among the evens
     src_sizes, dst_sizes = sizes[:, 1::2], sizes[:, 0::2]
     moved = src_sizes.gather(1, removed)
     new_dst = dst_sizes.scatter_add(1, dest, moved)
-    # every destination times its own share s_j / S_j: exactly 1 where nothing arrived
-    out.view(B, P + k, C)[:, P + m:].mul_(_as(dst_sizes / new_dst, tokens.dtype).unsqueeze(-1))
-    if type(B) is int and B == 1:  # eager batch 1: one image, no per-image offsets
-        rows = (dest + (P + m)).view(-1)
-    else:
+    # every destination times its own share s_j / S_j (exactly 1 where nothing arrived), then
+    # each removed candidate times its share s_i / S_j added to its destination
+    kept_share = _as(dst_sizes / new_dst, tokens.dtype)
+    removed_share = _as(moved / new_dst.gather(1, dest), tokens.dtype)
+    if type(B) is int and B == 1:  # batch 1 (eager, or a graph of it): the image's own rows, no offsets
+        candidates = tokens[0, P + 1::2]
+        out = torch.cat([tokens[0, :P], candidates.index_select(0, stays[0]), tokens[0, P::2]])
+        destinations = out[P + m:]
+        destinations.mul_(kept_share.view(-1, 1))
+        destinations.index_add_(0, dest[0], candidates.index_select(0, removed[0]) * removed_share.view(-1, 1))
+        out = out.unsqueeze(0)
+    else:  # rows of the flattened batch: image b's token t is row b L + t, candidate c is token P + 2 c + 1
+        grid = torch.arange(B * L, device=tokens.device).view(B, L)
+        first_candidate = grid[:, P + 1:P + 2]
+        source = torch.cat([grid[:, :P], torch.add(first_candidate, stays, alpha=2), grid[:, P::2]], dim=1)
+        flat = tokens.reshape(B * L, C)
+        out = flat.index_select(0, source.view(-1)).view(B, P + k, C)  # prefix, candidates that stay, destinations
+        out[:, P + m:].mul_(kept_share.unsqueeze(-1))
         rows = (dest + torch.arange(P + m, B * (P + k) + P + m, P + k, device=tokens.device).view(B, 1)).view(-1)
-    drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
-    removed_share = _as(moved / new_dst.gather(1, dest), tokens.dtype).view(-1, 1)
-    out.index_add_(0, rows, flat.index_select(0, drop_rows) * removed_share)
-    return Merged(out.view(B, P + k, C), torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays, removed,
-                  dest)
+        drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
+        out.view(B * (P + k), C).index_add_(0, rows, flat.index_select(0, drop_rows) * removed_share.view(-1, 1))
+    return Merged(out, torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays, removed, dest)
 
 
 def bipartite_keep(stays: torch.Tensor, n: int) -> torch.Tensor:
