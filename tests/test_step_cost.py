@@ -1,4 +1,5 @@
-"""The step-cost benchmark's stand-in step (examples/step_cost.py) leaves the tokens the real one does."""
+"""The step-cost benchmark (examples/step_cost.py): its stand-in step leaves the tokens the real one does,
+and its sparser schedules fit the defaults' method to the budget."""
 
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import torch
 import vitprune
 import vitprune.core.state as state_module
 from conftest import images, small_vit
+from vitprune.measure.flops import schedule_flops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -51,8 +53,6 @@ def test_the_free_step_is_confined_to_its_block():
 
 @pytest.mark.parametrize("step", [2, 3])
 def test_every_fits_the_defaults_method_to_the_budget_in_every_step_th_block(step):
-    from vitprune.measure.flops import schedule_flops
-
     model = small_vit()
     budget = 0.8 * schedule_flops(model, None) / 1e9
     config = step_cost.every(model, step, budget)
