@@ -43,7 +43,7 @@ from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 from vitprune.data.accuracy import accuracy
 from vitprune.measure.flops import schedule_flops
-from experiments_common import merge_results
+from experiments_common import every_stages, merge_results
 from reporting import markdown_table, mean_std, paired, percent, summarise, unique_runs
 
 BASELINE = "token merging (baseline)"
@@ -64,7 +64,12 @@ FINAL: Dict[str, Dict[str, Any]] = {
 #: schedule "spread" resolves to, but fitted on that rate directly, so the budget is met to one
 #: token (spread's keep rate steps with the paper's rounded token counts). Not in ``--grid final``.
 ALL_FIT = "defaults' method, fitted per block (stages='all')"
-EXTRA: Dict[str, Dict[str, Any]] = {ALL_FIT: dict(stages="all")}
+#: The defaults' method in every S-th block only (blocks ``S - 1, 2 S - 1, ...``), fitted to the
+#: budget: the same FLOPs in fewer, larger steps, which a batch-1 CPU forward pays less for
+#: (examples/step_cost.py). Not in ``--grid final``.
+EVERY = {2: "defaults' method, every 2nd block", 3: "defaults' method, every 3rd block"}
+EXTRA: Dict[str, Dict[str, Any]] = {ALL_FIT: dict(stages="all"),
+                                   **{name: dict(every=s) for s, name in EVERY.items()}}
 
 
 def grid() -> Iterator[Tuple[str, Dict[str, Any]]]:
@@ -89,6 +94,10 @@ def fitted(model: torch.nn.Module, options: Dict[str, Any], budget: float, seed:
     target = budget * schedule_flops(model, None) / 1e9
     if options is None:
         return vitprune.patch(copy.deepcopy(model), fit_merging(model, target))
+    if "every" in options:
+        step = options["every"]
+        options = {**{k: v for k, v in options.items() if k != "every"},
+                   "stages": every_stages(len(model.blocks), step)}
     fit_options = {k: v for k, v in options.items() if k != "indicator"}
     rate = vitprune.fit_keep_rate(model, target, **fit_options)
     extra = {"seed": seed} if options.get("indicator") == "random" else {}
@@ -269,7 +278,8 @@ def main() -> None:
                         help="with --finetune: fine-tune each model this many times, each with its own "
                              "batch order and shifts (seed 1000 r + the model's seed)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help=f"only these methods (names as in the tables; also {ALL_FIT!r})")
+                        help="only these methods (names as in the tables; also "
+                             f"{', '.join(map(repr, EXTRA))})")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="write the table and plot from these")
     parser.add_argument("--note", default="", help="a paragraph for the report (with --report)")
     args = parser.parse_args()

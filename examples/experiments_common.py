@@ -59,3 +59,11 @@ def merge_results(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[str]
         rows += record["rows"]
         commands += record.get("merged_commands", [record["command"]])
     return rows, commands
+
+
+def every_stages(depth: int, step: int) -> Tuple[int, ...]:
+    """Stages in every ``step``-th of ``depth`` blocks: ``step - 1, 2 step - 1, ...`` (the
+    last block reduces when ``step`` divides ``depth``)."""
+    if step < 1:
+        raise ValueError(f"step must be a positive number of blocks, got {step}")
+    return tuple(range(step - 1, depth, step))

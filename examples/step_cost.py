@@ -42,6 +42,7 @@ from vitprune.commands.bench import time_interleaved
 from vitprune.core.config import PAPER_OPTIONS, PruneConfig
 from vitprune.core.merging import Merged
 from vitprune.measure.flops import schedule_flops
+from experiments_common import every_stages
 
 #: The row whose patch reduces with :func:`free_merge`.
 FREE = "defaults, free step"
@@ -67,7 +68,7 @@ def free_step() -> Iterator[None]:
 def every(model: torch.nn.Module, step: int, gflops: float) -> PruneConfig:
     """The defaults' method in every ``step``-th block (``step - 1, 2 step - 1, ...``), with
     the largest keep rate whose analytic FLOPs fit ``gflops``."""
-    stages = tuple(range(step - 1, len(model.blocks), step))
+    stages = every_stages(len(model.blocks), step)
     return PruneConfig(keep_rate=vitprune.fit_keep_rate(model, gflops, stages=stages), stages=stages)
 
 

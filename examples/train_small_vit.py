@@ -77,13 +77,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--depth", type=int, default=None, help="blocks (default: the shipped models' 6)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     train_images, train_labels = datasets.load(args.dataset, "train")
     test_images, test_labels = datasets.load(args.dataset, "test")
-    model = demo_models.build(args.dataset)
+    model = demo_models.build(args.dataset, args.depth)
     start = time.time()
     train(model, train_images, train_labels, args.dataset, steps=args.steps, batch=args.batch, lr=args.lr,
           warmup=args.warmup, seed=args.seed, desc=f"train {args.dataset} seed {args.seed}")
@@ -91,7 +92,8 @@ def main() -> None:
     accuracy = evaluate(model, test_images, test_labels)
     print(f"{args.dataset} seed {args.seed}: test accuracy {accuracy:.4f} after {args.steps} steps, {seconds / 60:.1f} min")
     torch.save({
-        "dataset": args.dataset, "model_args": demo_models.MODEL_ARGS[args.dataset], "seed": args.seed,
+        "dataset": args.dataset, "seed": args.seed,
+        "model_args": {**demo_models.MODEL_ARGS[args.dataset], "depth": len(model.blocks)},
         "steps": args.steps, "batch": args.batch, "lr": args.lr, "test_accuracy": accuracy,
         "train_seconds": seconds, "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "torch": str(torch.__version__), "state_dict": model.state_dict(),

@@ -8,7 +8,8 @@ from conftest import PAPER, small_vit
 from vitprune.data import datasets
 from vitprune.commands.cli import main
 from vitprune.commands.demo import settings_of
-from vitprune.data.shipped import checkpoint_path, load_shipped, load_test_subset, subset_path
+from vitprune.data.shipped import (build, checkpoint_path, load_checkpoint, load_shipped, load_test_subset,
+                                   subset_path)
 from vitprune.data.accuracy import accuracy
 
 
@@ -23,6 +24,20 @@ def test_shipped_files_are_small_and_say_how_they_were_made(dataset):
     images, labels = load_test_subset(dataset)
     assert images.dtype == torch.uint8 and len(images) == len(labels) == 2000
     assert images.shape[1:] == tuple(model.patch_embed.img_size)
+
+
+def test_a_checkpoint_of_another_depth_loads_at_its_depth(tmp_path):
+    model = build("fashion_mnist", depth=3)
+    record = {"dataset": "fashion_mnist", "model_args": {"depth": 3}, "seed": 0,
+              "state_dict": model.state_dict()}
+    torch.save(record, tmp_path / "deep.pt")
+    loaded, kept = load_checkpoint(tmp_path / "deep.pt")
+    assert len(loaded.blocks) == 3 and "state_dict" not in kept
+    x = torch.randn(2, 1, 28, 28)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="depth must be a positive"):
+        build("fashion_mnist", depth=0)
 
 
 def test_the_fashion_mnist_model_meets_its_accuracy_target():

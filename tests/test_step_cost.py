@@ -1,5 +1,5 @@
 """The step-cost benchmark (examples/step_cost.py): its stand-in step leaves the tokens the real one does,
-and its sparser schedules fit the defaults' method to the budget."""
+and its sparser schedules (every S-th block) fit the defaults' method to the budget."""
 
 import sys
 from pathlib import Path
@@ -59,3 +59,14 @@ def test_every_fits_the_defaults_method_to_the_budget_in_every_step_th_block(ste
     assert config.stages == tuple(range(step - 1, len(model.blocks), step))
     assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
     assert config.keep_rate < 1 and schedule_flops(model, config) / 1e9 <= budget
+
+
+def test_every_stages_are_every_step_th_block_counted_from_one():
+    from experiments_common import every_stages
+
+    assert every_stages(12, 2) == (1, 3, 5, 7, 9, 11)
+    assert every_stages(12, 3) == (2, 5, 8, 11)
+    assert every_stages(6, 4) == (3,)
+    assert every_stages(6, 1) == (0, 1, 2, 3, 4, 5)
+    with pytest.raises(ValueError, match="positive"):
+        every_stages(6, 0)

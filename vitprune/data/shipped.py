@@ -6,7 +6,7 @@ import contextlib
 import gzip
 import io
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import timm
 import torch
@@ -23,11 +23,15 @@ MODEL_ARGS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def build(dataset: str) -> torch.nn.Module:
-    """An untrained timm ``VisionTransformer`` (class token, token pooling) for ``dataset``."""
+def build(dataset: str, depth: Optional[int] = None) -> torch.nn.Module:
+    """An untrained timm ``VisionTransformer`` (class token, token pooling) for ``dataset``,
+    with ``depth`` blocks instead of the shipped models' six when given."""
     if dataset not in MODEL_ARGS:
         raise ValueError(f"unknown dataset {dataset!r}; accepted: {', '.join(DATASETS)}")
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **MODEL_ARGS[dataset])
+    if depth is not None and depth < 1:
+        raise ValueError(f"depth must be a positive number of blocks, got {depth}")
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False,
+                             **{**MODEL_ARGS[dataset], **({} if depth is None else {"depth": depth})})
 
 
 def checkpoint_path(dataset: str) -> Path:
@@ -41,7 +45,7 @@ def load_checkpoint(path: Path) -> Tuple[torch.nn.Module, Dict[str, Any]]:
     allow = getattr(torch.serialization, "safe_globals", None)
     with allow([torch.torch_version.TorchVersion]) if allow else contextlib.nullcontext():
         record = torch.load(path, map_location="cpu", weights_only=True)
-    model = build(record["dataset"])
+    model = build(record["dataset"], record.get("model_args", {}).get("depth"))
     model.load_state_dict({k: v.float() for k, v in record["state_dict"].items()})
     return model.eval(), {k: v for k, v in record.items() if k != "state_dict"}
 
