@@ -182,6 +182,15 @@ def test_key_metric_averages_heads_and_skips_the_prefix():
     assert_close(key_metric(keys, 1), torch.tensor([[[0.6, 0.8]]]))
 
 
+def test_key_metric_records_no_gradient_and_leaves_the_keys_alone():
+    keys = torch.tensor([[[[9.0, 9.0], [3.0, 4.0]], [[9.0, 9.0], [0.0, 0.0]]]], requires_grad=True)
+    before = keys.detach().clone()
+    metric = key_metric(keys, 0)
+    assert not metric.requires_grad and metric.grad_fn is None  # only indices leave a matching
+    assert torch.equal(keys.detach(), before)  # normalised in place, but in new tensors
+    assert_close(metric, torch.tensor([[[2 ** -0.5, 2 ** -0.5], [0.6, 0.8]]]))
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_size_aware_attention_equals_attending_to_repeated_tokens(fused):
     torch.manual_seed(0)

@@ -40,9 +40,13 @@ class Matched(NamedTuple):
 
 
 def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
-    """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads."""
+    """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads.
+
+    Detached: only indices leave a matching, so no gradient is recorded for it, and the new
+    tensors are normalised in place (an operation's allocation saved in every block)."""
+    keys = keys.detach()
     metric = (keys[:, :, num_prefix:] if num_prefix else keys).sum(dim=1)  # the norm divides the 1 / H out
-    return metric / torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min(1e-12)
+    return metric.div_(torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min_(1e-12))
 
 
 def _positions_in(keep: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
@@ -252,9 +256,8 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
     if type(B) is int and B == 1:  # batch 1 (eager, or a graph of it): the image's own rows, no offsets
         candidates = tokens[0, P + 1::2]
         out = torch.cat([tokens[0, :P], candidates.index_select(0, stays[0]), tokens[0, P::2]])
-        destinations = out[P + m:]
-        destinations.mul_(kept_share.view(-1, 1))
-        destinations.index_add_(0, dest[0], candidates.index_select(0, removed[0]) * removed_share.view(-1, 1))
+        moving = candidates.index_select(0, removed[0]).mul_(removed_share.view(-1, 1))
+        out[P + m:].mul_(kept_share.view(-1, 1)).index_add_(0, dest[0], moving)  # the destinations
         out = out.unsqueeze(0)
     else:  # rows of the flattened batch: image b's token t is row b L + t, candidate c is token P + 2 c + 1
         grid = torch.arange(B * L, device=tokens.device).view(B, L)
@@ -265,7 +268,7 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
         out[:, P + m:].mul_(kept_share.unsqueeze(-1))
         rows = (dest + torch.arange(P + m, B * (P + k) + P + m, P + k, device=tokens.device).view(B, 1)).view(-1)
         drop_rows = torch.add(first_candidate, removed, alpha=2).view(-1)
-        out.view(B * (P + k), C).index_add_(0, rows, flat.index_select(0, drop_rows) * removed_share.view(-1, 1))
+        out.view(B * (P + k), C).index_add_(0, rows, flat.index_select(0, drop_rows).mul_(removed_share.view(-1, 1)))
     return Merged(out, torch.cat([src_sizes.gather(1, stays), new_dst], dim=1), stays, removed, dest)
 
 
