@@ -1,0 +1,28 @@
+"""The accuracy experiment against token merging (examples/experiment_merging.py): what each of
+its fitted methods spends."""
+
+import sys
+from pathlib import Path
+
+import vitprune
+from vitprune.data.shipped import load_shipped
+from vitprune.measure.baseline import fit_merging
+from vitprune.measure.flops import schedule_flops
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import experiment_merging  # noqa: E402
+
+
+def test_the_defaults_held_to_merging_flops_spend_no_more_than_merging():
+    model, _ = load_shipped("fashion_mnist")
+    full = schedule_flops(model, None)
+    merging = schedule_flops(model, fit_merging(model, 0.8 * full / 1e9))
+    at_budget = experiment_merging.fitted(model, experiment_merging.FINAL[experiment_merging.DEFAULT], 0.8, 0)
+    held = experiment_merging.fitted(model, experiment_merging.EXTRA[experiment_merging.AT_MERGING], 0.8, 0)
+    # at 80 % of this model's FLOPs the two fits step differently: the defaults spend more than merging
+    assert vitprune.analytic_flops(at_budget) > merging
+    assert vitprune.analytic_flops(held) <= merging
+    config = vitprune.get_config(held)
+    assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
+    assert config == vitprune.get_config(vitprune.patch(model, keep_rate=vitprune.fit_keep_rate(model, merging / 1e9)))
