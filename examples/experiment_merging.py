@@ -73,9 +73,13 @@ EVERY = {2: "defaults' method, every 2nd block", 3: "defaults' method, every 3rd
 #: spend up to about a point more of the FLOPs than the other; held to merging's FLOPs the
 #: defaults never spend more. Not in ``--grid final``.
 AT_MERGING = "vitprune defaults, held to token merging's FLOPs"
+#: AT_MERGING with crowding (``patch(crowding=w)``, merging.crowding_scores) in the matching:
+#: the same tokens in every block, so the same FLOPs. Not in ``--grid final``.
+CROWDING = {w: f"vitprune defaults with crowding {w}, held to token merging's FLOPs" for w in (0.25, 0.5)}
 EXTRA: Dict[str, Dict[str, Any]] = {ALL_FIT: dict(stages="all"),
                                    **{name: dict(every=s) for s, name in EVERY.items()},
-                                   AT_MERGING: dict(at_merging=True)}
+                                   AT_MERGING: dict(at_merging=True),
+                                   **{name: dict(at_merging=True, crowding=w) for w, name in CROWDING.items()}}
 
 
 def grid() -> Iterator[Tuple[str, Dict[str, Any]]]:

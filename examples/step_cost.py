@@ -17,6 +17,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
   FLOPs (``fit_keep_rate``): the same cost in fewer, larger steps, so fewer per-step
   operations. Its accuracy is not the defaults': on our six-block models every second
   block is three stages, the 'bipartite, merge, 3 stages' row of docs/merging.md.
+- ``defaults with crowding W`` (``--crowding W ...``, none by default): the defaults with
+  crowding in their matching (docs/method.md §4): the same tokens and FLOPs, a few more
+  elementwise operations per step.
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import platform
 from typing import Callable, Dict, Iterator
@@ -48,7 +52,8 @@ from experiments_common import every_stages
 FREE = "defaults, free step"
 
 
-def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int) -> Merged:
+def free_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int,
+               crowding: float = 0.0) -> Merged:
     """A stand-in for ``merging.bipartite_merge`` that costs two views: the first ``k``
     tokens and sizes. Its index fields are placeholders; nothing in a timed forward reads them."""
     return Merged(tokens[:, :num_prefix + k], sizes[:, :k], sizes, sizes, sizes)
@@ -82,6 +87,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--every", type=int, nargs="*", default=[2, 3],
                         help="also the defaults' method in every S-th block only, at the defaults' FLOPs")
+    parser.add_argument("--crowding", type=float, nargs="*", default=[],
+                        help="also the defaults with this crowding weight (patch(crowding=W)): the same tokens")
     parser.add_argument("--json", help="write the table here as JSON")
     args = parser.parse_args()
 
@@ -100,6 +107,10 @@ def main() -> None:
     for step in args.every:
         config = every(model, step, flops["defaults"] / 1e9)
         name = f"defaults' method, every {step} blocks (keep {config.keep_rate:.3f})"
+        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+    for weight in args.crowding:
+        config = dataclasses.replace(defaults, crowding=weight)
+        name = f"defaults with crowding {weight:g}"
         models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
 

@@ -16,10 +16,11 @@ from conftest import paper
 
 #: The paper's fusion token and the defaults (bipartite merge, size-aware) through inductor;
 #: bipartite keeping fewer than half (evenly spaced destinations), score-guided merging and
-#: dropping in every block through aot_eager.
+#: dropping in every block, and crowding in matching rounds (keeping under half) through aot_eager.
 MODES = [(paper(stages=(1, 2)), "inductor"), ({}, "inductor"), (dict(keep_rate=0.3), "aot_eager"),
          (dict(selection="redundant", stages=(1, 2)), "aot_eager"),
-         (dict(selection="top", reduction="drop", stages="all", keep_rate=0.9), "aot_eager")]
+         (dict(selection="top", reduction="drop", stages="all", keep_rate=0.9), "aot_eager"),
+         (dict(indicator=None, crowding=0.5, keep_rate=0.4, stages="all"), "aot_eager")]
 
 
 @pytest.mark.slow
@@ -27,7 +28,7 @@ MODES = [(paper(stages=(1, 2)), "inductor"), ({}, "inductor"), (dict(keep_rate=0
 def test_compiled_patched_model_matches_eager_without_graph_breaks(options, backend):
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
-    vitprune.patch(model, indicator="medad", **{"keep_rate": 0.6, **options})
+    vitprune.patch(model, **{"indicator": "medad", "keep_rate": 0.6, **options})
     x = torch.randn(3, 3, 64, 64)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: a graph break raises

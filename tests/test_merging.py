@@ -12,7 +12,8 @@ from conftest import PAPER, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
-from vitprune.core.merging import (Matched, Merged, bipartite_keep, bipartite_merge, bipartite_slots, key_metric,
+from vitprune.core.merging import (CROWDING_MARGIN, Matched, Merged, bipartite_keep, bipartite_merge, bipartite_slots,
+                                   crowding_scores, key_metric,
                                    match_bipartite, match_redundant, match_top, merge_tokens, size_bias, token_slots)
 
 
@@ -122,8 +123,9 @@ def test_token_slots_by_hand():
     assert token_slots(keep, drop, -1).tolist() == [[1, -1, 2, -1, 0]]  # dropped
 
 
+@pytest.mark.parametrize("crowding", [0.0, 0.5])
 @pytest.mark.parametrize("seed", range(4))
-def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
+def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed, crowding):
     """The defaults' one-round path against the general selection and merge it replaces."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(40):
@@ -132,26 +134,27 @@ def test_bipartite_merge_is_matching_then_merging_bit_for_bit(seed):
         tokens, keys = torch.randn(B, P + n, 8, generator=g), torch.randn(B, 3, P + n, 4, generator=g)
         keys[:, :, P + 1] = keys[:, :, P]  # a tie: candidate 0 is as close to destination 0 as can be
         sizes = torch.randint(1, 5, (B, n), generator=g).float()
-        matched = match_bipartite(key_metric(keys, P), k)
+        matched = match_bipartite(key_metric(keys, P), k, crowding=crowding)
         expected, expected_sizes = merge_tokens(tokens, sizes, matched, P)
-        merged = bipartite_merge(tokens, keys, sizes, k, P)
+        merged = bipartite_merge(tokens, keys, sizes, k, P, crowding)
         assert torch.equal(merged.tokens, expected) and torch.equal(merged.sizes, expected_sizes)
         assert torch.equal(bipartite_keep(merged.stays, n), matched.keep)
         slots = bipartite_slots(merged.stays, merged.removed, merged.dest, n)
         assert torch.equal(slots, token_slots(matched.keep, matched.drop, matched.dest))
 
 
-def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merging(tiny, monkeypatch):
+@pytest.mark.parametrize("crowding", [None, 0.5])
+def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merging(tiny, monkeypatch, crowding):
     import vitprune.core.state as state_module
 
-    def general(tokens, keys, sizes, k, num_prefix):
-        matched = match_bipartite(key_metric(keys, num_prefix), k)
+    def general(tokens, keys, sizes, k, num_prefix, weight):
+        matched = match_bipartite(key_metric(keys, num_prefix), k, crowding=weight)
         merged, new_sizes = merge_tokens(tokens, sizes, matched, num_prefix)
         m = k - (sizes.shape[1] + 1) // 2
         stays = (matched.keep[:, :m] - 1) // 2
         return Merged(merged, new_sizes, stays, (matched.drop - 1) // 2, matched.dest - m)
 
-    model = vitprune.patch(tiny, keep_rate=0.7)
+    model = vitprune.patch(tiny, keep_rate=0.7, crowding=crowding)
     x = image_batch(model, batch=3)
     runs = []
     for _ in range(2):
@@ -165,6 +168,48 @@ def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merg
     assert len(fast_positions) == len(model.blocks)
     assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
     assert all(torch.equal(a, b) for a, b in zip(fast_groups, slow_groups))
+
+
+def test_crowding_scores_by_hand():
+    # one candidate, two destinations: cosine 0.9 counts as itself (above the margin 0.6),
+    # cosine 0.2 as exp(0.2 - 0.6) - 1; a second candidate like neither destination
+    similarity = torch.tensor([[[0.9, 0.2], [-1.0, 0.6]]])
+    expected = torch.tensor([[(0.9 + math.exp(-0.4) - 1) / 2, (math.exp(-1.6) - 1 + math.exp(0.0) - 1) / 2]])
+    assert CROWDING_MARGIN == 0.6
+    assert_close(crowding_scores(similarity), expected)
+    assert_close(crowding_scores(similarity, margin=0.1), torch.tensor([[(0.9 + 0.2) / 2, (math.exp(-1.1) - 1 + 0.6) / 2]]))
+
+
+def test_crowding_sends_the_candidate_with_more_near_copies_first():
+    # destinations 0, 2, 4 and candidates 1, 3, each exactly like one destination (cosine 1):
+    # candidate 1 is like destination 4 only, candidate 3 like destinations 0 and 2 (crowded)
+    e1, e2 = [1.0, 0.0], [0.0, 1.0]
+    metric = torch.tensor([[e1, e2, e1, e1, e2]])
+    plain = match_bipartite(metric, 4)
+    assert plain.drop.tolist() == [[1]]  # a tie: the earlier candidate goes
+    crowded = match_bipartite(metric, 4, crowding=0.5)
+    assert crowded.drop.tolist() == [[3]] and crowded.keep.tolist() == [[1, 0, 2, 4]]
+    assert crowded.dest.tolist() == [[1]]  # into destination 0, the first of its two closest
+    tokens, sizes = torch.arange(5.0).view(1, 5, 1), torch.ones(1, 5)
+    merged = bipartite_merge(tokens, metric.view(1, 1, 5, 2), sizes, 4, 0, crowding=0.5)
+    assert merged.removed.tolist() == [[1]] and merged.tokens.view(-1).tolist() == [1.0, 1.5, 2.0, 4.0]
+    # more rounds weigh crowding in each: keeping 2 of 5 removes both candidates, then a destination
+    assert match_bipartite(metric, 2, crowding=0.5).keep.shape == (1, 2)
+
+
+def test_crowding_defaults_and_token_merging_keeps_its_own_order(tiny):
+    from vitprune.core.config import DEFAULT_CROWDING
+    assert vitprune.PruneConfig().crowding is None and vitprune.PruneConfig().crowding_weight == DEFAULT_CROWDING
+    assert vitprune.PruneConfig(indicator="var").crowding_weight == 0.0
+    assert vitprune.PruneConfig(crowding=1).crowding == 1.0
+    assert merging_config(tiny, 2).crowding == 0.0
+    x = image_batch(tiny, batch=3)
+    with torch.no_grad():
+        crowded = vitprune.patch(tiny, keep_rate=0.6, crowding=2.0)(x)
+        state = tiny.vitprune_state
+        assert state.crowding == 2.0
+        plain = vitprune.patch(tiny, keep_rate=0.6, crowding=0.0)(x)
+        assert not torch.equal(crowded, plain)  # a weight this large reorders some candidates
 
 
 def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
@@ -349,6 +394,10 @@ def test_defaults_are_the_measured_best_not_the_papers_fusion_token(tiny):
     (dict(size_aware=1), TypeError, "size_aware must be True or False"),
     (dict(fuse=True, reduction="merge"), ValueError, "fuse=True means reduction='fuse'"),
     (dict(stages="every"), TypeError, "stages must be a sequence"),
+    (dict(crowding=-0.5), ValueError, "crowding must be >= 0 (0: token merging's order), got -0.5"),
+    (dict(crowding=True), TypeError, "crowding must be a finite float >= 0 or None, got True"),
+    (dict(crowding=math.inf), TypeError, "crowding must be a finite float >= 0 or None, got inf"),
+    (dict(crowding=0.5, indicator="var"), ValueError, "crowding only applies to selection='bipartite', not 'top'"),
 ])
 def test_new_options_are_validated_before_the_model_changes(tiny, bad, error, message):
     before = {k: v.clone() for k, v in tiny.state_dict().items()}

@@ -15,7 +15,7 @@ def images(batch=2, size=64, seed=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all")], ids=str)
+@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all"), dict(crowding=0.5)], ids=str)
 def test_torch_export_reproduces_eager(options):
     model, x = vitprune.patch(small_vit(), **{"keep_rate": 0.7, **options}), images()
     with torch.no_grad():
@@ -28,11 +28,12 @@ def test_torch_export_reproduces_eager(options):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, selection="redundant")], ids=str)
+@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, selection="redundant"),
+                                     dict(indicator=None, crowding=0.5)], ids=str)
 def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, options):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
-    model, x = vitprune.patch(small_vit(), indicator="medad", **{"keep_rate": 0.6, **options}), images()
+    model, x = vitprune.patch(small_vit(), **{"indicator": "medad", "keep_rate": 0.6, **options}), images()
     with torch.no_grad():
         expected = model(x).numpy()
     torch.onnx.export(model, (x,), str(tmp_path / "pruned.onnx"), dynamo=True, verbose=False)

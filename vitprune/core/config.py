@@ -20,6 +20,9 @@ REDUCTIONS: Tuple[str, ...] = get_args(Reduction)
 DEFAULT_SELECTION = "bipartite"
 DEFAULT_REDUCTION = "merge"
 DEFAULT_SIZE_AWARE = True
+#: Weight of crowding in bipartite matching when ``crowding`` is left at ``None``
+#: (``merging.crowding_scores``; docs/crowding.md).
+DEFAULT_CROWDING = 0.0
 
 #: ``stages`` value for a reduction in every block, at ``keep_rate`` each.
 ALL_BLOCKS = "all"
@@ -99,6 +102,12 @@ class PruneConfig:
             or ``"drop"``.
         size_aware: Every block after the first reduction adds ``log(size)`` to the attention
             logits of a token that holds ``size`` original patches, so it counts as them.
+        crowding: Bipartite matching only: a weight >= 0 on each candidate's crowding (how
+            many near copies it has among the destinations) in the order candidates are
+            merged away, so that of two equally close candidates the more crowded goes first
+            (docs/method.md §4). ``0``: token merging's order. ``None`` (the default):
+            ``DEFAULT_CROWDING`` with ``selection="bipartite"``; any other selection refuses
+            a number.
         fuse: The first release's switch, kept as an alias: ``True`` means
             ``reduction="fuse"``, ``False`` means ``reduction="drop"``. Stored as ``None``
             once folded into ``reduction``.
@@ -118,6 +127,7 @@ class PruneConfig:
     selection: Optional[Selection] = None
     reduction: Optional[Reduction] = None
     size_aware: bool = DEFAULT_SIZE_AWARE
+    crowding: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.indicator is not None and self.indicator not in INDICATORS:
@@ -162,6 +172,7 @@ class PruneConfig:
             )
         if not isinstance(self.size_aware, bool):
             raise TypeError(f"size_aware must be True or False, got {self.size_aware!r}")
+        self._check_crowding()
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -173,6 +184,26 @@ class PruneConfig:
             if self.overlap_stride < 1:
                 raise ValueError(f"overlap_stride must be a positive int, got {self.overlap_stride}")
             object.__setattr__(self, "overlap_stride", int(self.overlap_stride))
+
+    def _check_crowding(self) -> None:
+        value = self.crowding
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+            raise TypeError(f"crowding must be a finite float >= 0 or None, got {value!r}")
+        if value < 0:
+            raise ValueError(f"crowding must be >= 0 (0: token merging's order), got {value!r}")
+        if self.selection != "bipartite":
+            raise ValueError(f"crowding only applies to selection='bipartite', not {self.selection!r}; "
+                             "leave it None")
+        object.__setattr__(self, "crowding", float(value))
+
+    @property
+    def crowding_weight(self) -> float:
+        """The crowding weight the matching uses: ``crowding``, or its default for the selection."""
+        if self.crowding is not None:
+            return self.crowding
+        return DEFAULT_CROWDING if self.selection == "bipartite" else 0.0
 
     def _spread(self, depth: int, num_patches: int) -> "PruneConfig":
         """Every block reduces, by the largest common keep rate whose tokens (summed over

@@ -12,6 +12,10 @@ removed token the kept token it is most like):
   by position (every other token) instead of by score; to remove more than half, in rounds.
 
 Similarity is the cosine of the attention keys averaged over heads, as in token merging.
+Bipartite matching can also weigh each candidate's *crowding* (:func:`crowding_scores`) into the
+order in which candidates go: of two candidates equally close to a destination, the one
+with more near copies among the destinations goes first (after the energy score of Tran et
+al., "Accelerating Transformers with Spectrum-Preserving Token Merging", NeurIPS 2024).
 """
 
 from __future__ import annotations
@@ -49,6 +53,35 @@ def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
     return metric.div_(torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min_(1e-12))
 
 
+#: Cosine similarity above which a destination counts towards a candidate's crowding with its
+#: similarity; below it, with ``exp(cos - margin) - 1`` (between -1 and 0).
+CROWDING_MARGIN = 0.6
+
+
+def crowding_scores(similarity: torch.Tensor, margin: float = CROWDING_MARGIN) -> torch.Tensor:
+    """``(B, c)``: how crowded each candidate is among the destinations.
+
+    The mean over destinations of ``cos`` where ``cos > margin`` and ``exp(cos - margin) - 1``
+    elsewhere: high for a candidate with many near copies, negative for one unlike most.
+
+    Args:
+        similarity: ``(B, c, d)`` cosines of ``c`` candidates to ``d`` destinations.
+        margin: Where near copies start.
+    """
+    below = torch.expm1(similarity - margin)
+    return torch.where(similarity > margin, similarity, below).mean(dim=-1)
+
+
+def _removal_order(similarity: torch.Tensor, weight: float) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Candidates from first to go to last (``descending_order``), and each one's closest
+    destination, from their ``(B, c, d)`` similarities: by closeness to the nearest destination
+    plus ``weight`` times their :func:`crowding_scores` (``weight`` 0: token merging's order)."""
+    best, partner = similarity.max(dim=-1)
+    if weight:
+        best = best.add_(crowding_scores(similarity), alpha=weight)
+    return descending_order(best), partner
+
+
 def _positions_in(keep: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
     """For token indices ``index`` (all in ``keep``), their positions within ``keep``."""
     lookup = keep.new_zeros(keep.shape[0], n)
@@ -77,7 +110,8 @@ def match_redundant(priority: torch.Tensor, metric: torch.Tensor, k: int) -> Mat
     return _match(descending_order(priority), max(1, min(k, n // 2)), metric, k, concat=False)
 
 
-def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] = None) -> Matched:
+def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] = None,
+                    crowding: float = 0.0) -> Matched:
     """Token merging's bipartite matching: tokens 0, 2, 4, ... are the destinations, the
     others the candidates, and the kept tokens come back as [candidates that stay,
     destinations], as the paper concatenates the two sets (so the next block's
@@ -86,17 +120,18 @@ def match_bipartite(metric: torch.Tensor, k: int, sizes: Optional[torch.Tensor] 
     One round removes at most half the tokens. To keep ``k < ceil(n / 2)`` the matching
     runs in rounds, each on the tokens the last one left (their keys merged as
     ``sizes``-weighted averages, ``sizes`` defaulting to ones), until ``k`` remain; the
-    result maps every token to the kept token it ends up in.
+    result maps every token to the kept token it ends up in. ``crowding`` weighs each
+    candidate's :func:`crowding_scores` into the order in which candidates go (0: the paper's).
     """
     B, n, _ = metric.shape
     _check_k(k, n)
     if 2 * k >= n:
-        return _bipartite_round(metric, k)
+        return _bipartite_round(metric, k, crowding)
     sizes = metric.new_ones(B, n) if sizes is None else sizes.to(metric.dtype)
     slot = torch.arange(n, device=metric.device).expand(B, n)  # each token's place among the current ones
     origin = slot  # each current token's original index
     for after in bipartite_rounds(n, k):
-        step = _bipartite_round(metric, after)
+        step = _bipartite_round(metric, after, crowding)
         slot, origin = token_slots(step.keep, step.drop, step.dest).gather(1, slot), origin.gather(1, step.keep)
         merged, sizes = merge_tokens(metric, sizes, step)
         metric = merged / merged.norm(dim=-1, keepdim=True).clamp_min(1e-12)
@@ -115,14 +150,14 @@ def bipartite_rounds(n: int, k: int) -> "list[int]":
     return left
 
 
-def _bipartite_round(metric: torch.Tensor, k: int) -> Matched:
+def _bipartite_round(metric: torch.Tensor, k: int, crowding: float = 0.0) -> Matched:
     """One round: the even tokens are the destinations, the odd ones the candidates (strided
-    views, no gathers); the ``n - k`` candidates closest to a destination go. The same as
-    ``_match`` with ``order = [evens, odds]`` and ``concat``, written out for speed."""
+    views, no gathers); the ``n - k`` candidates closest to a destination go (``crowding``:
+    see :func:`_removal_order`). With ``crowding`` 0 the same as ``_match`` with
+    ``order = [evens, odds]`` and ``concat``, written out for speed."""
     B, n, _ = metric.shape
     metric = metric.detach()
-    best, partner = (metric[:, 1::2] @ metric[:, 0::2].transpose(1, 2)).max(dim=-1)
-    ranked = descending_order(best)
+    ranked, partner = _removal_order(metric[:, 1::2] @ metric[:, 0::2].transpose(1, 2), crowding)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:]
     stay = stays.sort(dim=1).values * 2 + 1
     destinations = torch.arange(0, n, 2, device=metric.device).expand(B, -1)
@@ -210,10 +245,10 @@ class Merged(NamedTuple):
 
 
 def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int,
-                    num_prefix: int) -> Merged:
+                    num_prefix: int, crowding: float = 0.0) -> Merged:
     """One round of token merging, selection and merge together: bit for bit
-    ``merge_tokens(tokens, sizes, match_bipartite(key_metric(keys, P), k), P)`` when
-    ``2 k >= n``, in three quarters of the operations.
+    ``merge_tokens(tokens, sizes, match_bipartite(key_metric(keys, P), k, crowding=crowding), P)``
+    when ``2 k >= n``, in three quarters of the operations.
 
     The step runs in every block, and a batch-1 CPU forward pays per operation rather than
     per byte there (each costs a few microseconds after the block's matrix products), so the
@@ -228,6 +263,7 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
         sizes: ``(B, n)`` float.
         k: Tokens kept, ``ceil(n / 2) <= k < n``.
         num_prefix: ``P``.
+        crowding: Weight of each candidate's :func:`crowding_scores` in the order candidates go.
 
     Returns:
         A :class:`Merged`: the ``(B, P + k, C)`` tokens, their ``(B, k)`` sizes, the
@@ -241,8 +277,8 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
         raise ValueError(f"one round keeps between ceil(n / 2) = {(n + 1) // 2} and n - 1 = {n - 1} of "
                          f"n = {n} tokens, got k = {k}")
     metric = key_metric(keys, 0)  # the prefix's too, unused: no slice, the two sets are strided views
-    best, partner = torch.bmm(metric[:, P + 1::2], metric[:, P::2].mT).max(dim=-1)
-    ranked = descending_order(best)  # no gradient reaches the matching: only indices leave it
+    # no gradient reaches the matching: only indices leave it
+    ranked, partner = _removal_order(torch.bmm(metric[:, P + 1::2], metric[:, P::2].mT), crowding)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:].sort(dim=1).values
     m = stays.shape[1]
     dest = partner.gather(1, removed)  # each removed candidate's destination, 0.. among the evens

@@ -161,6 +161,7 @@ def patch(
         selection: Optional[Selection] = DEFAULT,
         reduction: Optional[Reduction] = DEFAULT,
         size_aware: bool = DEFAULT,
+        crowding: Optional[float] = DEFAULT,
         overlap_stride: Optional[int] = DEFAULT,
         seed: Optional[int] = DEFAULT,
         fuse: Optional[bool] = DEFAULT,
@@ -195,6 +196,8 @@ def patch(
             without an indicator, ``"top"`` with one.
         reduction: ``"merge"`` (default), ``"fuse"`` (the paper's fusion token) or ``"drop"``.
         size_aware: Add ``log(size)`` to the attention logits of merged tokens (default True).
+        crowding: Bipartite matching: weight of each candidate's crowding (its near copies
+            among the destinations) in the order candidates go; ``0``: token merging's.
         overlap_stride: Give the patch embedding this stride (overlapping patches).
         seed: Seed of the ``"random"`` indicator.
         fuse: The first release's switch (``True``: ``reduction="fuse"``, ``False``: ``"drop"``).
@@ -219,7 +222,7 @@ def patch(
     check_options(unknown)  # a clear message naming the accepted options, not Python's
     cfg = _make_config(config, dict(
         indicator=indicator, keep_rate=keep_rate, stages=stages, T=T, selection=selection, reduction=reduction,
-        size_aware=size_aware, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
+        size_aware=size_aware, crowding=crowding, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
     family = check_model(model)
     blocks = family.blocks_of(model)
     cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))

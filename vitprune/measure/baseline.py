@@ -6,7 +6,7 @@ to its most similar token of the second (cosine of the keys averaged over heads)
 the ``r`` most similar pairs are merged by a size-weighted average; every later block
 adds ``log(size)`` to the attention logits (proportional attention). Prefix tokens are
 never merged. In vitprune's terms that is ``selection="bipartite"``, ``reduction="merge"``,
-``size_aware=True``, ``stages="all"``, with per-block keep rates that remove ``r`` tokens
+``size_aware=True``, ``stages="all"``, ``crowding=0`` (the paper's order), with per-block keep rates that remove ``r`` tokens
 each, so the baseline runs through the same blocks, FLOP counter and benchmark as
 everything else.
 """
@@ -43,7 +43,7 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
         rates.append((n - removed) / n)
         n -= removed
     return PruneConfig(selection="bipartite", reduction="merge", size_aware=True, stages="all",
-                       keep_rate=tuple(rates))
+                       crowding=0.0, keep_rate=tuple(rates))
 
 
 def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Sequence[int]] = None) -> PruneConfig:
