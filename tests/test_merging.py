@@ -207,7 +207,7 @@ def test_crowding_defaults_and_token_merging_keeps_its_own_order(tiny):
     with torch.no_grad():
         crowded = vitprune.patch(tiny, keep_rate=0.6, crowding=2.0)(x)
         state = tiny.vitprune_state
-        assert state.crowding == 2.0
+        assert state.config.crowding_weight == 2.0
         plain = vitprune.patch(tiny, keep_rate=0.6, crowding=0.0)(x)
         assert not torch.equal(crowded, plain)  # a weight this large reorders some candidates
 

@@ -137,7 +137,6 @@ class PruneState:
         self.num_prefix = num_prefix
         self.generator = generator
         self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
-        self.crowding = config.crowding_weight
         self.row_source = row_source if self.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
         self._local = threading.local()
@@ -253,7 +252,7 @@ class PruneState:
         config, P = self.config, self.num_prefix
         n = sizes.shape[1]
         if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= n:
-            merged = bipartite_merge(x, scored.keys, sizes, k, P, self.crowding)  # the defaults' one round
+            merged = bipartite_merge(x, scored.keys, sizes, k, P, config.crowding_weight)  # the defaults' one round
             return (merged.tokens, functools.partial(bipartite_keep, merged.stays, n), None, merged.sizes,
                     functools.partial(bipartite_slots, merged.stays, merged.removed, merged.dest, n))
         removed_into = k if config.reduction == "fuse" else -1  # the fusion token follows the kept ones
@@ -267,7 +266,7 @@ class PruneState:
         elif config.selection == "redundant":
             matched = match_redundant(scores, metric, k)
         else:
-            matched = match_bipartite(metric, k, sizes, self.crowding)
+            matched = match_bipartite(metric, k, sizes, config.crowding_weight)
         if config.reduction == "merge":
             merged_tokens, sizes_kept = merge_tokens(x, sizes, matched, P)
             return (merged_tokens, matched.keep, matched.drop, sizes_kept,
