@@ -212,6 +212,19 @@ def test_crowding_defaults_and_token_merging_keeps_its_own_order(tiny):
         assert not torch.equal(crowded, plain)  # a weight this large reorders some candidates
 
 
+def test_a_patch_pickled_before_crowding_existed_loads_and_runs_as_before(tiny):
+    import pickle
+    model = vitprune.patch(tiny, keep_rate=0.6)
+    x = image_batch(model, batch=2)
+    with torch.no_grad():
+        expected = model(x)
+    del model.vitprune_state.config.__dict__["crowding"]  # what an older pickle restores
+    loaded = pickle.loads(pickle.dumps(model))
+    assert loaded.vitprune_state.config.crowding_weight == 0.0
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)
+
+
 def test_bipartite_merge_refuses_more_than_one_round_and_passes_gradients():
     tokens, keys = torch.randn(1, 7, 4, requires_grad=True), torch.randn(1, 2, 7, 4)
     with pytest.raises(ValueError, match="between ceil"):
