@@ -6,9 +6,9 @@ to its most similar token of the second (cosine of the keys averaged over heads)
 the ``r`` most similar pairs are merged by a size-weighted average; every later block
 adds ``log(size)`` to the attention logits (proportional attention). Prefix tokens are
 never merged. In vitprune's terms that is ``selection="bipartite"``, ``reduction="merge"``,
-``size_aware=True``, ``stages="all"``, ``crowding=0`` (the paper's order), with per-block keep rates that remove ``r`` tokens
-each, so the baseline runs through the same blocks, FLOP counter and benchmark as
-everything else.
+``size_aware=True``, ``stages="all"``, ``crowding=0`` (the paper's order), with per-block
+keep rates that remove ``r`` tokens each, so the baseline runs through the same blocks, FLOP
+counter and benchmark as everything else.
 """
 
 from __future__ import annotations
