@@ -76,7 +76,17 @@ AT_MERGING = "vitprune defaults, held to token merging's FLOPs"
 #: AT_MERGING with crowding (``patch(crowding=w)``, merging.crowding_scores) in the matching:
 #: the same tokens in every block, so the same FLOPs. Not in ``--grid final``.
 CROWDING = {w: f"vitprune defaults with crowding {w}, held to token merging's FLOPs" for w in (0.25, 0.5)}
+#: The class token alone in the last block (``class_only_last``): the same logits for most of that
+#: block's FLOPs, spent on keeping more tokens elsewhere. With the defaults, fitted to the budget and
+#: held to token merging's FLOPs; and token merging given the same saving, fitted to the budget, to
+#: show what the saving alone buys. Not in ``--grid final``.
+CLASS_ONLY = "vitprune defaults, class token alone in the last block"
+CLASS_ONLY_AT_MERGING = "vitprune defaults, class token alone in the last block, held to token merging's FLOPs"
+MERGING_CLASS_ONLY = "token merging, class token alone in the last block"
 EXTRA: Dict[str, Dict[str, Any]] = {ALL_FIT: dict(stages="all"),
+                                   CLASS_ONLY: dict(class_only_last=True),
+                                   CLASS_ONLY_AT_MERGING: dict(at_merging=True, class_only_last=True),
+                                   MERGING_CLASS_ONLY: dict(merging=True, class_only_last=True),
                                    **{name: dict(every=s) for s, name in EVERY.items()},
                                    AT_MERGING: dict(at_merging=True),
                                    **{name: dict(at_merging=True, crowding=w) for w, name in CROWDING.items()}}
@@ -104,6 +114,8 @@ def fitted(model: torch.nn.Module, options: Dict[str, Any], budget: float, seed:
     target = budget * schedule_flops(model, None) / 1e9
     if options is None:
         return vitprune.patch(copy.deepcopy(model), fit_merging(model, target))
+    if options.get("merging"):
+        return vitprune.patch(copy.deepcopy(model), fit_merging(model, target, class_only_last=True))
     if options.get("at_merging"):
         target = schedule_flops(model, fit_merging(model, target)) / 1e9
         options = {k: v for k, v in options.items() if k != "at_merging"}

@@ -6,7 +6,8 @@ For the shipped models on their test subsets (2,000 images), the paper's method 
 and medad and vitprune's defaults (merging in every block) at keep 0.7: whether scores and
 outputs stay finite under fp16 and bf16 autocast, and which fraction of the kept patches
 agrees with fp32 at every stage. Then, for a few families on random
-weights, the largest difference from the unpatched model with nothing pruned, on CUDA;
+weights, the largest difference from the unpatched model with nothing pruned, on CUDA (and,
+for token-pooled ones, of ``class_only_last`` from the same patch without it);
 the same for ``transformers`` ViT and SigLIP (eager and sdpa) when it is installed.
 Prints one line per check; exits non-zero if any output is not finite.
 """
@@ -62,6 +63,12 @@ def main() -> int:
             vitprune.patch(model, keep_rate=1.0)
             error = (model(x) - expected).abs().max().item()
         print(f"{name}: max abs difference with nothing pruned, CUDA fp32: {error:.2e}")
+        if model.global_pool == "token":  # the class token alone in the last block: the same logits
+            with torch.no_grad():
+                reference = vitprune.patch(model, keep_rate=0.7)(x)
+                only = vitprune.patch(model, keep_rate=0.7, class_only_last=True)(x)
+            print(f"{name}: class_only_last at keep 0.7, max abs difference from without it: "
+                  f"{(only - reference).abs().max().item():.2e}")
     ok &= transformers_checks(device)
     return 0 if ok else 1
 

@@ -20,6 +20,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
 - ``defaults with crowding W`` (``--crowding W ...``, none by default): the defaults with
   crowding in their matching (docs/method.md §4): the same tokens and FLOPs, a few more
   elementwise operations per step.
+- ``--class-only``: the defaults with ``class_only_last`` (the last block computes the class
+  token alone): at the same keep rate (fewer FLOPs), and fitted to the defaults' FLOPs
+  (``fit_keep_rate``; more tokens kept in the other blocks).
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
@@ -89,6 +92,8 @@ def main() -> None:
                         help="also the defaults' method in every S-th block only, at the defaults' FLOPs")
     parser.add_argument("--crowding", type=float, nargs="*", default=[],
                         help="also the defaults with this crowding weight (patch(crowding=W)): the same tokens")
+    parser.add_argument("--class-only", action="store_true",
+                        help="also the defaults with class_only_last, at their keep rate and at their FLOPs")
     parser.add_argument("--json", help="write the table here as JSON")
     args = parser.parse_args()
 
@@ -112,6 +117,12 @@ def main() -> None:
         config = dataclasses.replace(defaults, crowding=weight)
         name = f"defaults with crowding {weight:g}"
         models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+    if args.class_only:
+        rate = vitprune.fit_keep_rate(model, flops["defaults"] / 1e9, class_only_last=True)
+        for name, config in (("defaults, class token alone in the last block", dataclasses.replace(
+                defaults, class_only_last=True)), (f"the same at the defaults' FLOPs (keep {rate:.3f})",
+                                                    PruneConfig(keep_rate=rate, class_only_last=True))):
+            models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
 
     def step(name: str) -> Callable[[], None]:

@@ -16,11 +16,13 @@ from conftest import paper
 
 #: The paper's fusion token and the defaults (bipartite merge, size-aware) through inductor;
 #: bipartite keeping fewer than half (evenly spaced destinations), score-guided merging and
-#: dropping in every block, and crowding in matching rounds (keeping under half) through aot_eager.
+#: dropping in every block, crowding in matching rounds (keeping under half) and the defaults with
+#: the class token alone in the last block through aot_eager.
 MODES = [(paper(stages=(1, 2)), "inductor"), ({}, "inductor"), (dict(keep_rate=0.3), "aot_eager"),
          (dict(selection="redundant", stages=(1, 2)), "aot_eager"),
          (dict(selection="top", reduction="drop", stages="all", keep_rate=0.9), "aot_eager"),
-         (dict(indicator=None, crowding=0.5, keep_rate=0.4, stages="all"), "aot_eager")]
+         (dict(indicator=None, crowding=0.5, keep_rate=0.4, stages="all"), "aot_eager"),
+         (dict(indicator=None, class_only_last=True), "aot_eager")]
 
 
 @pytest.mark.slow

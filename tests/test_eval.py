@@ -187,3 +187,30 @@ def test_pretrained_weights_without_network_fail_at_once(rgb_tree, monkeypatch, 
                  "--no-progress"]) == 2
     assert "cannot load pretrained weights for deit_tiny_patch16_224" in capsys.readouterr().err
     assert constants.HF_HUB_OFFLINE is True
+
+
+def test_class_only_last_applies_to_every_method_and_its_budgets(fashion_tree, tmp_path):
+    """``--class-only-last``: each method's fit spends the saving (it keeps more than without
+    it at the same budget), the logits equal those of the same keep rate without it, and token
+    merging stays the baseline users run."""
+    out = tmp_path / "rows.json"
+    assert main(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree), "--budgets", "0.6",
+                 "--baseline", "merge", "--class-only-last", "--no-progress", "--out", str(out)]) == 0
+    rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
+    model, _ = load_shipped("fashion_mnist")
+    plain = {s.label: s for s in build_settings(model, budgets=[0.6])}
+    only = {s.label: s for s in build_settings(model, budgets=[0.6], baseline=True, class_only_last=True)}
+    setting = only["default class-only last 60% FLOPs"]
+    assert setting.options["class_only_last"] and setting.keep_rate > plain["default 60% FLOPs"].keep_rate
+    images, labels = load_test_subset("fashion_mnist")
+    same = vitprune.patch(copy.deepcopy(model), keep_rate=setting.keep_rate)  # the class token is never merged
+    assert rows[setting.label]["top1"] == pytest.approx(100 * accuracy(same, images, labels), abs=1e-9)
+    merging = [s for s in only.values() if s.method == "merging"]
+    assert merging and not any(s.options["config"].class_only_last for s in merging)
+
+
+def test_class_only_last_on_a_model_that_pools_every_token_exits_2(rgb_tree, capsys):
+    code = main(["eval", "--model", "vit_base_patch16_gap_224", "--img-size", "32", "--data-dir", str(rgb_tree),
+                 "--class-only-last", "--keep-rates", "0.7", "--no-progress"])
+    assert code == 2
+    assert "class_only_last=True cannot apply" in capsys.readouterr().err

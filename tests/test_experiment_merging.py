@@ -26,3 +26,21 @@ def test_the_defaults_held_to_merging_flops_spend_no_more_than_merging():
     config = vitprune.get_config(held)
     assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
     assert config == vitprune.get_config(vitprune.patch(model, keep_rate=vitprune.fit_keep_rate(model, merging / 1e9)))
+
+
+def test_the_class_only_methods_spend_no_more_than_their_targets():
+    model, _ = load_shipped("fashion_mnist")
+    full = schedule_flops(model, None)
+    merging = schedule_flops(model, fit_merging(model, 0.6 * full / 1e9))
+    extra = experiment_merging.EXTRA
+    at_budget = experiment_merging.fitted(model, extra[experiment_merging.CLASS_ONLY], 0.6, 0)
+    held = experiment_merging.fitted(model, extra[experiment_merging.CLASS_ONLY_AT_MERGING], 0.6, 0)
+    given = experiment_merging.fitted(model, extra[experiment_merging.MERGING_CLASS_ONLY], 0.6, 0)
+    assert vitprune.analytic_flops(at_budget) <= 0.6 * full
+    assert vitprune.analytic_flops(held) <= merging
+    assert vitprune.analytic_flops(given) <= 0.6 * full
+    for patched in (at_budget, held, given):
+        assert vitprune.get_config(patched).class_only_last
+    # the saving buys tokens: more of them reach the last block than without it
+    plain = experiment_merging.fitted(model, experiment_merging.EXTRA[experiment_merging.AT_MERGING], 0.6, 0)
+    assert vitprune.get_config(held).keep_rate[0] > vitprune.get_config(plain).keep_rate[0]

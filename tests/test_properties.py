@@ -49,6 +49,7 @@ VALID = {
     "size_aware": [True, False],
     "overlap_stride": [None, None, None, 8],
     "seed": [None, 0],
+    "class_only_last": [False, True],
 }
 INVALID = {
     "indicator": ["entropy", 3],
@@ -60,6 +61,7 @@ INVALID = {
     "size_aware": [1, None, "yes"],
     "overlap_stride": [0, 99, 4.0],
     "seed": [-3, "x", 1.5],
+    "class_only_last": [1, None],
 }
 valid_options = st.fixed_dictionaries({}, optional={key: st.sampled_from(v) for key, v in VALID.items()})
 any_options = st.fixed_dictionaries({}, optional={key: st.sampled_from(VALID[key] + v) for key, v in INVALID.items()})

@@ -15,7 +15,8 @@ def images(batch=2, size=64, seed=1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all"), dict(crowding=0.5)], ids=str)
+@pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, stages="all"), dict(crowding=0.5),
+                                     dict(class_only_last=True)], ids=str)
 def test_torch_export_reproduces_eager(options):
     model, x = vitprune.patch(small_vit(), **{"keep_rate": 0.7, **options}), images()
     with torch.no_grad():
@@ -29,7 +30,8 @@ def test_torch_export_reproduces_eager(options):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, selection="redundant"),
-                                     dict(indicator=None, crowding=0.5)], ids=str)
+                                     dict(indicator=None, crowding=0.5),
+                                     dict(indicator=None, class_only_last=True)], ids=str)
 def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, options):
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")

@@ -121,7 +121,8 @@ def main(args: argparse.Namespace) -> int:
                         f"{outputs} outputs")
         settings = build_settings(model, methods=args.indicators, keep_rates=keep_rates, budgets=args.budgets,
                                   stages=args.stages, reductions=args.reductions or [None],
-                                  baseline=args.baseline == "merge", img_size=config["input_size"][-2:])
+                                  baseline=args.baseline == "merge", img_size=config["input_size"][-2:],
+                                  class_only_last=args.class_only_last)
     except (FileNotFoundError, ImportError, ValueError, TypeError) as error:
         return fail(str(error))
     if source == "random weights":

@@ -184,6 +184,9 @@ Example (ImageNet validation, a user's own copy):
                        help="where removed tokens go (default: each method's)")
     sweep.add_argument("--baseline", choices=("merge",), default=None,
                        help="also token merging (ToMe's method) at the same FLOPs")
+    sweep.add_argument("--class-only-last", action="store_true",
+                       help="every method with class_only_last=True (token-pooled timm ViTs): the class "
+                            "token alone in the last block, its saving spent by the budget fits")
     run = parser.add_argument_group("run")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     run.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPU, float16 on CUDA")

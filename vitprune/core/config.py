@@ -108,6 +108,14 @@ class PruneConfig:
             (docs/method.md §4). ``0``: token merging's order. ``None`` (the default):
             ``DEFAULT_CROWDING`` with ``selection="bipartite"``; any other selection refuses
             a number.
+        class_only_last: The last block computes only the prefix tokens' outputs (the class
+            token, and a distillation token where there is one), for models whose head reads
+            the class token alone (``global_pool="token"``): every patch token's output of
+            that block is discarded by the head, so leaving it out changes no logit and
+            saves most of that block's FLOPs (its keys and values are still computed).
+            The last block then never reduces: ``"spread"`` and ``"all"`` leave it out of
+            their stages, and an explicit stage there is refused. ``forward_features``
+            returns the prefix tokens only. Default ``False`` (docs/method.md §10).
         fuse: The first release's switch, kept as an alias: ``True`` means
             ``reduction="fuse"``, ``False`` means ``reduction="drop"``. Stored as ``None``
             once folded into ``reduction``.
@@ -128,6 +136,7 @@ class PruneConfig:
     reduction: Optional[Reduction] = None
     size_aware: bool = DEFAULT_SIZE_AWARE
     crowding: Optional[float] = None
+    class_only_last: bool = False
 
     def __post_init__(self) -> None:
         if self.indicator is not None and self.indicator not in INDICATORS:
@@ -173,6 +182,8 @@ class PruneConfig:
         if not isinstance(self.size_aware, bool):
             raise TypeError(f"size_aware must be True or False, got {self.size_aware!r}")
         self._check_crowding()
+        if not isinstance(self.class_only_last, bool):
+            raise TypeError(f"class_only_last must be True or False, got {self.class_only_last!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -254,13 +265,32 @@ class PruneConfig:
             num_patches: Its patch tokens; needed by the ``"spread"`` schedule only.
 
         Raises:
-            ValueError: A stage is not a block of the model, or keep rates and the
-                default stages differ in number.
+            ValueError: A stage is not a block of the model, keep rates and the default
+                stages differ in number, or, with ``class_only_last``, an explicit stage
+                is the last block.
         """
         if self.stages == SPREAD:
             if num_patches is None:
                 raise ValueError("stages='spread' is worked out for a model's patch count: pass num_patches")
-            return self._spread(depth, num_patches)
+            return self._spread(depth, num_patches)._class_only(depth)
+        return self._explicit(depth)._class_only(depth, refuse=self.stages not in (None, ALL_BLOCKS))
+
+    def _class_only(self, depth: int, refuse: bool = False) -> "PruneConfig":
+        """With ``class_only_last``, these resolved stages without the last block (which then
+        computes only the prefix tokens, so a reduction there would change nothing); with
+        ``refuse``, an explicit stage there is an error instead."""
+        if not self.class_only_last or depth - 1 not in self.stages:
+            return self
+        if refuse:
+            raise ValueError(
+                f"stages include the last block ({depth - 1}), which computes only the class token with "
+                "class_only_last=True, so a reduction there would change nothing; leave it out of stages")
+        index = self.stages.index(depth - 1)
+        return dataclasses.replace(self, stages=self.stages[:index] + self.stages[index + 1:],
+                                   keep_rate=self.keep_rate[:index] + self.keep_rate[index + 1:])
+
+    def _explicit(self, depth: int) -> "PruneConfig":
+        """Explicit stages and one keep rate per stage, for stages other than ``"spread"``."""
         if self.stages is None:
             stages = default_stages(depth)
         elif self.stages == ALL_BLOCKS:

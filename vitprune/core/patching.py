@@ -43,11 +43,11 @@ def check_model(model: nn.Module) -> Family:
 
 
 def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
-               size_aware: bool = False) -> "dict[int, tuple[Optional[int], Optional[int]]]":
+               size_aware: bool = False, class_only: bool = False) -> "dict[int, tuple[Optional[int], Optional[int]]]":
     """Which blocks ``patch`` swaps: index -> (stage number or ``None``, stage whose output
-    the block receives or ``None``): the stage blocks, and every block after the first
+    the block receives or ``None``): the stage blocks, every block after the first
     stage where the family's blocks follow the tokens or with ``size_aware`` (they add
-    the size bias)."""
+    the size bias), and with ``class_only`` the last block."""
     every = family.follows or size_aware
     plan, last = {}, None
     for index in range(stages[0] if stages else depth, depth):
@@ -55,7 +55,19 @@ def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
         if number is not None or every:
             plan[index] = (number, last)
         last = number if number is not None else last
+    if class_only and depth - 1 not in plan:
+        plan[depth - 1] = (None, last)
     return plan
+
+
+def _check_class_only(model: nn.Module, family: Family, config: PruneConfig) -> None:
+    """Raise ``TypeError`` when ``class_only_last`` is set and the model cannot take it."""
+    if not config.class_only_last:
+        return
+    reason = family.class_only(model)
+    if reason is not None:
+        raise TypeError(f"class_only_last=True cannot apply to this {family.model.__name__}: {reason}; "
+                        "leave class_only_last=False")
 
 
 def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
@@ -162,6 +174,7 @@ def patch(
         reduction: Optional[Reduction] = DEFAULT,
         size_aware: bool = DEFAULT,
         crowding: Optional[float] = DEFAULT,
+        class_only_last: bool = DEFAULT,
         overlap_stride: Optional[int] = DEFAULT,
         seed: Optional[int] = DEFAULT,
         fuse: Optional[bool] = DEFAULT,
@@ -198,6 +211,9 @@ def patch(
         size_aware: Add ``log(size)`` to the attention logits of merged tokens (default True).
         crowding: Bipartite matching: weight of each candidate's crowding (its near copies
             among the destinations) in the order candidates go; ``0``: token merging's.
+        class_only_last: The last block computes the prefix tokens only, which is all a
+            ``global_pool="token"`` head reads: the same logits for most of that block's FLOPs
+            (default False; ``forward_features`` then returns the prefix tokens only).
         overlap_stride: Give the patch embedding this stride (overlapping patches).
         seed: Seed of the ``"random"`` indicator.
         fuse: The first release's switch (``True``: ``reduction="fuse"``, ``False``: ``"drop"``).
@@ -222,12 +238,13 @@ def patch(
     check_options(unknown)  # a clear message naming the accepted options, not Python's
     cfg = _make_config(config, dict(
         indicator=indicator, keep_rate=keep_rate, stages=stages, T=T, selection=selection, reduction=reduction,
-        size_aware=size_aware, crowding=crowding, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
+        size_aware=size_aware, crowding=crowding, class_only_last=class_only_last, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
     family = check_model(model)
     blocks = family.blocks_of(model)
     cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
-    plan = _swap_plan(family, len(blocks), cfg.stages, cfg.size_aware)
+    plan = _swap_plan(family, len(blocks), cfg.stages, cfg.size_aware, cfg.class_only_last)
     _check_blocks(model, family, plan)
+    _check_class_only(model, family, cfg)
     _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None:
@@ -246,6 +263,8 @@ def patch(
         module.vitprune_state = state
         module.vitprune_stage = number
         module.vitprune_follow = follow
+    if cfg.class_only_last:
+        blocks[len(blocks) - 1].vitprune_class_only = True
     return model
 
 

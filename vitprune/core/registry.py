@@ -55,6 +55,10 @@ def grid_patches(model: nn.Module, stride: Optional[int]) -> int:
         return int(model.patch_embed.num_patches)
 
 
+def no_class_only(model: nn.Module) -> Optional[str]:
+    return "vitprune implements it for timm VisionTransformer and VisionTransformerDistilled only"
+
+
 def no_extras(model: nn.Module) -> "list[nn.Module]":
     return []
 
@@ -101,6 +105,9 @@ class Family:
         check: Raises ``TypeError`` for a model of this class that cannot be patched
             (a pooling that a reduced token would mislead, say).
         library: The library the family comes from, for messages.
+        class_only: Why ``class_only_last`` cannot apply to this model (a sentence), or
+            ``None`` when it can: its head reads the prefix tokens alone and its last block
+            has ``_vitprune_prefix_attention``.
     """
 
     model: type
@@ -120,10 +127,11 @@ class Family:
     check: Callable[[nn.Module], None] = timm_check
     extras: Callable[[nn.Module], "list[nn.Module]"] = no_extras
     library: str = "timm"
+    class_only: Callable[[nn.Module], Optional[str]] = no_class_only
 
 
 #: Attributes ``patch`` adds to a block it swaps; ``unpatch`` deletes exactly these.
-BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow")
+BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow", "vitprune_class_only")
 
 _FAMILIES: Dict[type, Family] = {}
 _PATCHED: Dict[type, Family] = {}

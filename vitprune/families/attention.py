@@ -237,3 +237,45 @@ def parallel_scaling_with_row(
     else:
         y = block.attn_out_proj(out) + block.mlp_out_proj(x_mlp)
     return x + block.drop_path(block.ls(y)), row
+
+
+def prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``attn(x)[:, :num_prefix]`` for timm's ``Attention``, without the other tokens' queries.
+
+    Keys and values come from every token; queries, the attention products, ``norm``,
+    ``gate`` and ``proj`` from the first ``num_prefix`` only: what a block needs when the
+    model reads nothing but the class token after it (``class_only_last``). The fused
+    ``qkv`` projection runs as two products on slices of its weight.
+
+    Args:
+        attn: A timm ``Attention`` (fused ``qkv``; ``families.vit.class_only_reason`` checks).
+        x: ``(B, P + N, C)`` tokens, already normed by the block where it norms first.
+        num_prefix: ``P``.
+        bias: Additive attention bias broadcastable to ``(B, H, P + N, P + N)``, or ``None``.
+
+    Returns:
+        ``(B, P, C)``: the attention output of the prefix tokens.
+    """
+    B, L, _ = x.shape
+    P, heads = num_prefix, attn.num_heads
+    weight, qkv_bias = attn.qkv.weight, attn.qkv.bias
+    width = weight.shape[0] // 3
+    prefix = x[:, :P]
+    q = F.linear(prefix, weight[:width], None if qkv_bias is None else qkv_bias[:width])
+    kv = F.linear(x, weight[width:], None if qkv_bias is None else qkv_bias[width:])
+    q = q.reshape(B, P, heads, width // heads).transpose(1, 2)
+    k, v = kv.reshape(B, L, 2, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    if bias is not None and bias.shape[-2] != 1:
+        bias = bias[..., :P, :]
+    out, _ = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
+                    num_prefix=P, source="none", bias=bias)
+    out = out.transpose(1, 2).reshape(B, P, width)
+    norm = member(attn, "norm")
+    if norm is not None:
+        out = norm(out)
+    gate_layer = member(attn, "gate")
+    if gate_layer is not None:
+        out = out * gate_layer(prefix).sigmoid()
+    return attn.proj_drop(attn.proj(out))

@@ -37,6 +37,7 @@ class PruningBlock:
     vitprune_state: PruneState
     vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows a stage
     vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
+    vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out only
 
     def _vitprune_begin(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The size-aware attention bias for ``x`` (see ``PruneState.begin``)."""
@@ -56,6 +57,11 @@ class PruningBlock:
         return self.vitprune_state.positions[self.vitprune_follow]
 
     def _vitprune_attention(self, tokens: torch.Tensor, context: Any) -> Tuple[torch.Tensor, Scored]:
+        raise NotImplementedError
+
+    def _vitprune_prefix_attention(self, tokens: torch.Tensor, context: Any) -> torch.Tensor:
+        """The attention output of the prefix tokens only (``class_only_last``); families
+        whose ``Family.class_only`` allows it supply this."""
         raise NotImplementedError
 
 
@@ -78,6 +84,12 @@ class PreNorm(PruningBlock):
         x = self._vitprune_reduce(x + self.drop_path1(_scaled(self, 1, out)), scored)
         return x + self.drop_path2(_scaled(self, 2, self.mlp(self.norm2(x))))
 
+    def _vitprune_prefix_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        """The block's output for the prefix tokens only (``class_only_last``)."""
+        P = self.vitprune_state.num_prefix
+        x = x[:, :P] + self.drop_path1(_scaled(self, 1, self._vitprune_prefix_attention(self.norm1(x), context)))
+        return x + self.drop_path2(_scaled(self, 2, self.mlp(self.norm2(x))))
+
 
 class ResPost(PruningBlock):
     """Norm after each branch: ``x + norm1(attn(x))``, reduce, ``x + norm2(mlp(x))``
@@ -86,4 +98,10 @@ class ResPost(PruningBlock):
     def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
         out, scored = self._vitprune_attention(x, context)
         x = self._vitprune_reduce(x + self.drop_path1(self.norm1(out)), scored)
+        return x + self.drop_path2(self.norm2(self.mlp(x)))
+
+    def _vitprune_prefix_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        """The block's output for the prefix tokens only (``class_only_last``)."""
+        P = self.vitprune_state.num_prefix
+        x = x[:, :P] + self.drop_path1(self.norm1(self._vitprune_prefix_attention(x, context)))
         return x + self.drop_path2(self.norm2(self.mlp(x)))

@@ -81,8 +81,20 @@ class PrunedModel:
         )
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self._vitprune_check_head()
         features = super().forward_features(*args, **kwargs)
         return _mark(features, self.vitprune_state.sizes)
+
+    def _vitprune_check_head(self) -> None:
+        """With ``class_only_last``, refuse a head changed since ``patch`` to read more than the
+        class token (``reset_classifier(global_pool="avg")``, say): it would pool the prefix
+        tokens alone without a word."""
+        if self.vitprune_state.config.class_only_last and (
+                self.global_pool != "token" or getattr(self, "attn_pool", None) is not None):
+            raise RuntimeError(
+                f"vitprune: this model was patched with class_only_last=True, so its last block computes "
+                f"the class token alone, but its head now pools with global_pool={self.global_pool!r}; "
+                f"patch it again (class_only_last=False) after changing the pooling")
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
@@ -108,7 +120,10 @@ class PrunedModel:
         bound = inspect.signature(super().forward_intermediates).bind(*args, **kwargs)
         bound.apply_defaults()
         options: Dict[str, Any] = bound.arguments
+        self._vitprune_check_head()
         first = self._vitprune_first_pruning_block(options["x"])
+        if self.vitprune_state.config.class_only_last:
+            first = len(self.blocks) - 1 if first is None else first
         if options["output_fmt"] == "NCHW" and first is not None:
             take, _ = feature_take_indices(len(self.blocks), options["indices"])
             late = sorted(i for i in take if i >= first)

@@ -19,9 +19,9 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import (Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
                                             VisionTransformer)
 
-from ..core.registry import Family, register
+from ..core.registry import Family, original_block_class, register
 from ..core.state import Scored
-from .attention import attention_with_row, join_scored, parallel_scaling_with_row
+from .attention import attention_with_row, join_scored, parallel_scaling_with_row, prefix_attention
 from .layouts import PreNorm, PruningBlock, ResPost, refuse_masks
 from .pooling import PrunedModel
 
@@ -33,10 +33,15 @@ class _ViTBlock(PruningBlock):
         state = self.vitprune_state
         return attention_with_row(self.attn, tokens, state.num_prefix, state.row_source, bias)
 
+    def _vitprune_prefix_attention(self, tokens: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return prefix_attention(self.attn, tokens, self.vitprune_state.num_prefix, bias)
+
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                 is_causal: bool = False) -> torch.Tensor:
         refuse_masks(attn_mask, is_causal)
         bias = self._vitprune_begin(x)
+        if self.vitprune_class_only:
+            return self._vitprune_prefix_forward(x, bias)
         if self.vitprune_stage is None:
             return super().forward(x, attn_mask=bias)  # the timm block's own forward
         return self._vitprune_forward(x, bias)
@@ -80,6 +85,22 @@ class PruneVisionTransformerDistilled(PrunedModel, VisionTransformerDistilled):
     """timm ``VisionTransformerDistilled`` while patched (token pooling only)."""
 
 
+def class_only_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why ``class_only_last`` cannot apply to this ViT, or ``None``: it needs a head that
+    reads the prefix tokens alone and a last block of timm's ``Block`` or ``ResPostBlock``
+    with timm's ``Attention`` (a fused ``qkv``)."""
+    if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
+        return (f"the head must read the class token alone (global_pool='token'), but this model pools "
+                f"with global_pool={model.global_pool!r}, which reads every token of the last block")
+    last = model.blocks[-1]
+    kind, attn = original_block_class(last), getattr(last, "attn", None)
+    if kind not in (Block, ResPostBlock) or type(attn) is not Attention \
+            or not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
+        return (f"the last block must be a timm Block or ResPostBlock with timm's Attention (a fused qkv), "
+                f"not a {kind.__name__} with {type(attn).__name__}")
+    return None
+
+
 def attention_modules(block: torch.nn.Module) -> Dict[str, torch.nn.Module]:
     """The attention modules a pruning block runs itself, by name, for the type check."""
     if isinstance(block, ParallelThingsBlock):
@@ -110,4 +131,5 @@ _EXAMPLES = "vit_*, deit_*, deit3_*, CLIP, SigLIP and DINOv2 towers, flexivit, h
 for _model, _patched in ((VisionTransformer, PruneVisionTransformer),
                          (VisionTransformerDistilled, PruneVisionTransformerDistilled)):
     register(Family(model=_model, patched=_patched, blocks=PRUNE_BLOCKS, attention=(Attention,),
-                    attention_modules=attention_modules, heads=scored_heads, overlap=True, examples=_EXAMPLES))
+                    attention_modules=attention_modules, heads=scored_heads, overlap=True, examples=_EXAMPLES,
+                    class_only=class_only_reason))

@@ -24,13 +24,16 @@ from .flops import flop_counter
 
 
 def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
-                   img_size: Optional[Sequence[int]] = None) -> PruneConfig:
+                   img_size: Optional[Sequence[int]] = None, class_only_last: bool = False) -> PruneConfig:
     """Token merging with ``r`` tokens merged per block (at most half the patches of a block).
 
     Args:
         model: The ViT it is meant for (its patch count and depth set the keep rates).
         r: Tokens merged in every block, ``>= 0``, or one such count per block.
         img_size: Input size the keep rates are worked out for; the model's own by default.
+        class_only_last: Not the paper's: its last block computes the class token alone
+            (``PruneConfig.class_only_last``), so it merges nothing there; for comparisons
+            that give token merging the same saving.
     """
     depth = len(blocks_of(model))
     amounts = [r] * depth if isinstance(r, int) and not isinstance(r, bool) else list(r)
@@ -43,14 +46,16 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
         rates.append((n - removed) / n)
         n -= removed
     return PruneConfig(selection="bipartite", reduction="merge", size_aware=True, stages="all",
-                       crowding=0.0, keep_rate=tuple(rates))
+                       crowding=0.0, keep_rate=tuple(rates), class_only_last=class_only_last)
 
 
-def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Sequence[int]] = None) -> PruneConfig:
+def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Sequence[int]] = None,
+                class_only_last: bool = False) -> PruneConfig:
     """Token merging with the most tokens kept whose analytic FLOPs fit ``target_gflops``.
 
     The schedule merges ``r + 1`` tokens in the first ``j`` blocks and ``r`` in the rest,
     for the smallest ``(r, j)`` that fits, so the budget is met to within one token.
+    ``class_only_last`` as in :func:`merging_config`.
 
     Raises:
         ValueError: Even merging half the tokens in every block costs more.
@@ -61,7 +66,7 @@ def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Seque
     flops = flop_counter(model, img_size)
     for r in range(most + 1):
         for j in range(depth):
-            config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size)
+            config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size, class_only_last)
             if flops(config) <= target_gflops * 1e9:
                 return config
     raise ValueError(f"token merging cannot reach {target_gflops:.4g} GFLOPs on this model (r up to {most})")

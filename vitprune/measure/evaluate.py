@@ -82,7 +82,7 @@ def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> flo
 def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), keep_rates: Sequence[float] = (),
                    budgets: Sequence[float] = (), stages: Optional[Sequence[Any]] = None,
                    reductions: Sequence[Optional[str]] = (None,), baseline: bool = False,
-                   img_size: Optional[Sequence[int]] = None) -> List[Setting]:
+                   img_size: Optional[Sequence[int]] = None, class_only_last: bool = False) -> List[Setting]:
     """The unpruned model, then every method at every keep rate and every FLOP budget.
 
     Args:
@@ -97,6 +97,8 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         baseline: Add token merging at every budget (and, at every keep rate, at the FLOPs
             the defaults have there).
         img_size: The input size the FLOPs are counted for.
+        class_only_last: Every method (not the baseline) with ``class_only_last=True``: the
+            class token alone in the last block, its saving spent by the budget fits.
 
     Raises:
         TypeError, ValueError: A method, rate, budget or option ``patch`` would refuse; the
@@ -116,13 +118,14 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         base = {} if method == DEFAULT else dict(indicator=method, **PAPER_OPTIONS)
         for schedule in ([None] if stages is None else list(stages)):
             for reduction in reductions:
-                options = dict(base)
+                options = dict(base, class_only_last=True) if class_only_last else dict(base)
                 if schedule is not None:
                     options["stages"] = schedule
                 if reduction is not None:
                     options["reduction"] = reduction
                 suffix = "".join([f" stages {_stage_text(schedule)}" if schedule is not None else "",
-                                  f" {reduction}" if reduction is not None else ""])
+                                  f" {reduction}" if reduction is not None else "",
+                                  " class-only last" if class_only_last else ""])
                 for rate in keep_rates:
                     settings.append(Setting(f"{method}{suffix} keep {rate:g}", method, rate, None,
                                             {**options, "keep_rate": rate}))

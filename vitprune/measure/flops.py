@@ -81,11 +81,13 @@ def _linear_flops(modules: Iterable[nn.Module]) -> int:
 class _BlockCost(NamedTuple):
     """One block's products per token: its attention modules' Linear layers (at the tokens
     the attention sees), its other Linear layers (the MLP, at the tokens after the
-    reduction), and the heads of its scored attention."""
+    reduction), the heads of its scored attention, and of ``attention`` its fused ``qkv``
+    projection's (0 where it has none)."""
 
     attention: int
     rest: int
     heads: int
+    qkv: int = 0
 
 
 def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module], Sequence[nn.Module]],
@@ -95,7 +97,9 @@ def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module]
         attention = attention_of(block)
         inside = {id(m) for module in attention for m in module.modules()}
         rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
-        costs.append(_BlockCost(_linear_flops(attention), _linear_flops(rest), heads_of(block)))
+        qkv = getattr(attention[0], "qkv", None) if len(attention) == 1 else None
+        costs.append(_BlockCost(_linear_flops(attention), _linear_flops(rest), heads_of(block),
+                                _linear_flops([qkv]) if isinstance(qkv, nn.Linear) else 0))
     return tuple(costs)
 
 
@@ -214,14 +218,25 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
             config = config.resolve(depth, patches)
         schedule = token_schedule(config, depth, prefix, patches)
         total = patches * C * conv.in_channels * kh * kw
+        class_only = config is not None and config.class_only_last
         for index, (cost, tokens) in enumerate(zip(layout.blocks, schedule)):
             L = tokens.attn
+            if class_only and index == depth - 1:
+                total += _class_only_flops(cost, L, prefix, C)
+                continue
             total += L * cost.attention + 2 * L * L * C + tokens.mlp * cost.rest
             if config is not None and index in config.stages:
                 total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
         return total + layout.after_blocks(schedule[-1].mlp)
 
     return count
+
+
+def _class_only_flops(cost: _BlockCost, L: int, prefix: int, C: int) -> int:
+    """A block that computes the ``prefix`` tokens' outputs only (``class_only_last``): keys
+    and values of all ``L`` tokens, the rest of the attention and the MLP for the prefix."""
+    keys_values = cost.qkv * 2 // 3
+    return L * keys_values + prefix * (cost.attention - keys_values) + 2 * prefix * L * C + prefix * cost.rest
 
 
 def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:

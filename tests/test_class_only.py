@@ -1,0 +1,186 @@
+"""``class_only_last``: the last block computes only the prefix tokens, which is all a
+``global_pool="token"`` head reads. The logits must be those of the same patch without it
+(and of the unpatched model when nothing is reduced), the FLOPs what the formula says."""
+
+import copy
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import ResPostBlock
+from torch.testing import assert_close
+
+import vitprune
+from conftest import PAPER, assert_same, snapshot
+from vitprune.measure.baseline import fit_merging
+from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
+
+#: Small timm ViTs whose head reads the prefix tokens alone, one per kind of prefix and block.
+MODELS = {
+    "class token": dict(),
+    "distilled (2 prefix)": dict(name="deit_tiny_distilled_patch16_224"),
+    "registers (5 prefix)": dict(reg_tokens=4, no_embed_class=True),
+    "ResPostBlock": dict(block_fn=ResPostBlock),
+    "qk-norm, no qkv bias": dict(qk_norm=True, qkv_bias=False),
+    "LayerScale": dict(init_values=0.5),
+}
+
+
+def build(kind, **extra):
+    options = dict(MODELS[kind])
+    name = options.pop("name", "deit_tiny_patch16_224")
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=32, patch_size=8, depth=4, embed_dim=48, num_heads=3,
+                              **options, **extra).eval()
+    return model
+
+
+def images(batch=3, seed=1):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x):
+    with torch.no_grad():
+        out = model(x)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
+    model = build(kind)
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    x = images()
+    expected = logits(model, x)
+    vitprune.patch(model, keep_rate=1.0, class_only_last=True)
+    assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        features = model.forward_features(x)
+    assert features.shape == (3, model.num_prefix_tokens, 48)  # the prefix tokens alone
+
+
+@pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])
+@pytest.mark.parametrize("options", [{}, dict(keep_rate=0.4), PAPER, dict(indicator="var", keep_rate=0.5)], ids=str)
+def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
+    model, x = build(kind), images()
+    expected = logits(vitprune.patch(copy.deepcopy(model), **options), x)
+    vitprune.patch(model, **options, class_only_last=True)
+    assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_last_block_leaves_spread_and_all_and_an_explicit_stage_there_is_refused():
+    model = build("class token")
+    spread = vitprune.get_config(vitprune.patch(copy.deepcopy(model), class_only_last=True))
+    plain = vitprune.get_config(vitprune.patch(copy.deepcopy(model)))
+    assert plain.stages == (0, 1, 2, 3) and spread.stages == (0, 1, 2)
+    assert spread.keep_rate == plain.keep_rate[:3]  # the other blocks keep what they kept
+    every = vitprune.get_config(vitprune.patch(copy.deepcopy(model), stages="all", class_only_last=True))
+    assert every.stages == (0, 1, 2)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"stages include the last block \(3\)"):
+        vitprune.patch(model, stages=(1, 3), class_only_last=True)
+    assert_same(before, snapshot(model))
+
+
+def test_flops_by_hand():
+    """One block of width C = 48 (MLP 4C) with L = 17 tokens (1 + 16 patches), stages elsewhere:
+    the class token alone saves, per other token, its query (C^2), projection (C^2), MLP
+    (8 C^2) and its row of both attention products (2 L C)."""
+    model = build("class token")
+    C, L, P = 48, 17, 1
+    config = vitprune.PruneConfig(keep_rate=1.0, stages=(1,))
+    saved = (L - P) * (C * C + C * C + 8 * C * C) + 2 * (L - P) * L * C
+    only = vitprune.PruneConfig(keep_rate=1.0, stages=(1,), class_only_last=True)
+    assert schedule_flops(model, config) - schedule_flops(model, only) == saved
+
+
+@pytest.mark.parametrize("kind", ["class token", "registers (5 prefix)", "ResPostBlock"])
+@pytest.mark.parametrize("options", [dict(keep_rate=1.0), dict(keep_rate=0.5)], ids=str)
+def test_analytic_count_agrees_with_fvcore(kind, options):
+    model = vitprune.patch(build(kind), **options, class_only_last=True)
+    traced, analytic = count_flops(model), analytic_flops(model)
+    assert abs(traced - analytic) / analytic < 0.02
+    assert analytic < schedule_flops(model, vitprune.PruneConfig(**options))
+
+
+def test_budget_fit_counts_the_saving():
+    model = build("class token")
+    target = 0.6 * analytic_flops(model) / 1e9
+    with_it = vitprune.fit_keep_rate(model, target, class_only_last=True)
+    without = vitprune.fit_keep_rate(model, target)
+    assert with_it > without  # the saving buys tokens elsewhere
+    config = vitprune.PruneConfig(keep_rate=with_it, class_only_last=True)
+    assert schedule_flops(model, config) <= target * 1e9
+
+
+@pytest.mark.parametrize("model", [
+    lambda: timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, global_pool="avg"),
+    lambda: timm.create_model("vit_base_patch16_siglip_224", img_size=32, patch_size=8, depth=2, embed_dim=48,
+                              num_heads=3),
+    lambda: timm.create_model("eva02_tiny_patch14_224", img_size=28, depth=2),
+], ids=["avg pool", "attention pool", "EVA"])
+def test_models_whose_head_reads_more_are_refused_untouched(model):
+    model = model().eval()
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="class_only_last=True cannot apply"):
+        vitprune.patch(model, class_only_last=True)
+    assert_same(before, snapshot(model))
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_non_bool_is_refused(value):
+    with pytest.raises(TypeError, match="class_only_last must be True or False"):
+        vitprune.PruneConfig(class_only_last=value)
+
+
+def test_a_pooling_changed_after_patching_is_refused_at_the_forward():
+    model = vitprune.patch(build("class token"), class_only_last=True)
+    model.reset_classifier(10, global_pool="avg")
+    with pytest.raises(RuntimeError, match="class_only_last=True.*global_pool='avg'"):
+        model(images())
+
+
+def test_intermediates_of_the_last_block_are_not_a_grid():
+    model = vitprune.patch(build("class token"), keep_rate=1.0, class_only_last=True)
+    with pytest.raises(ValueError, match=r"blocks \[3\]"):
+        model.forward_intermediates(images(), indices=[3], output_fmt="NCHW")
+    _, maps = model.forward_intermediates(images(), indices=[2], output_fmt="NCHW")
+    assert maps[0].shape == (3, 48, 4, 4)
+
+
+def test_unpatch_restores_the_model_and_a_copy_keeps_the_option():
+    model, x = build("class token"), images()
+    before, expected = snapshot(model), logits(model, x)
+    vitprune.patch(model, keep_rate=0.5, class_only_last=True)
+    reduced = logits(model, x)
+    assert_close(logits(copy.deepcopy(model), x), reduced)
+    assert copy.deepcopy(model).forward_features(x).shape[1] == 1
+    vitprune.unpatch(model)
+    assert_same(before, snapshot(model))
+    assert_close(logits(model, x), expected)
+
+
+def test_training_gives_the_gradients_of_the_patch_without_it():
+    """The loss reads the class token alone, so no parameter's gradient may change."""
+    model, x = build("class token"), images()
+    reference = vitprune.patch(copy.deepcopy(model), keep_rate=0.5).train()
+    vitprune.patch(model, keep_rate=0.5, class_only_last=True).train()
+    for net in (model, reference):
+        net.zero_grad()
+        net(x).square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert p.grad is not None, name
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_merging_given_the_saving_fits_its_budget_and_merges_nothing_in_the_last_block():
+    model = build("class token")
+    target = 0.7 * analytic_flops(model) / 1e9
+    config = fit_merging(model, target, class_only_last=True)
+    patched = vitprune.patch(copy.deepcopy(model), config)
+    resolved = vitprune.get_config(patched)
+    assert resolved.class_only_last and resolved.stages == (0, 1, 2)
+    assert analytic_flops(patched) <= target * 1e9
+    plain = fit_merging(model, target)  # the saving lets the first block merge no more than without it
+    assert resolved.keep_rate[0] >= plain.keep_rate[0]
