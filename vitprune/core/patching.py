@@ -238,7 +238,8 @@ def patch(
     check_options(unknown)  # a clear message naming the accepted options, not Python's
     cfg = _make_config(config, dict(
         indicator=indicator, keep_rate=keep_rate, stages=stages, T=T, selection=selection, reduction=reduction,
-        size_aware=size_aware, crowding=crowding, class_only_last=class_only_last, overlap_stride=overlap_stride, seed=seed, fuse=fuse))
+        size_aware=size_aware, crowding=crowding, class_only_last=class_only_last, overlap_stride=overlap_stride,
+        seed=seed, fuse=fuse))
     family = check_model(model)
     blocks = family.blocks_of(model)
     cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
