@@ -265,7 +265,7 @@ def patch(
         module.vitprune_stage = number
         module.vitprune_follow = follow
     if cfg.class_only_last:
-        blocks[len(blocks) - 1].vitprune_class_only = True
+        blocks[-1].vitprune_class_only = True
     return model
 
 

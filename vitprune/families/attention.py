@@ -264,7 +264,7 @@ def prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
     prefix = x[:, :P]
     q = F.linear(prefix, weight[:width], None if qkv_bias is None else qkv_bias[:width])
     kv = F.linear(x, weight[width:], None if qkv_bias is None else qkv_bias[width:])
-    q = q.reshape(B, P, heads, width // heads).transpose(1, 2)
+    q = split_heads(q, heads).transpose(1, 2)
     k, v = kv.reshape(B, L, 2, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
     if bias is not None and bias.shape[-2] != 1:

@@ -26,6 +26,7 @@ import torch
 from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
+from ..core.registry import family_of
 from ..core.tokens import is_compiling
 
 
@@ -86,15 +87,17 @@ class PrunedModel:
         return _mark(features, self.vitprune_state.sizes)
 
     def _vitprune_check_head(self) -> None:
-        """With ``class_only_last``, refuse a head changed since ``patch`` to read more than the
-        class token (``reset_classifier(global_pool="avg")``, say): it would pool the prefix
-        tokens alone without a word."""
-        if self.vitprune_state.config.class_only_last and (
-                self.global_pool != "token" or getattr(self, "attn_pool", None) is not None):
+        """With ``class_only_last``, refuse a model changed since ``patch`` so that the option no
+        longer applies (``reset_classifier(global_pool="avg")``, say: it would pool the prefix
+        tokens alone without a word), by the family's own check that ``patch`` ran."""
+        if not self.vitprune_state.config.class_only_last:
+            return
+        reason = family_of(self).class_only(self)
+        if reason is not None:
             raise RuntimeError(
-                f"vitprune: this model was patched with class_only_last=True, so its last block computes "
-                f"the class token alone, but its head now pools with global_pool={self.global_pool!r}; "
-                f"patch it again (class_only_last=False) after changing the pooling")
+                f"vitprune: this model was patched with class_only_last=True (its last block computes the "
+                f"class token alone), which no longer applies since it changed: {reason}; patch it again "
+                f"(class_only_last=False)")
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
