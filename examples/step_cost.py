@@ -5,7 +5,10 @@ median; see ``vitprune bench``), each as a speedup over the unpruned model and a
 of its ideal speedup (the ratio of analytic FLOPs):
 
 - ``unpruned``;
-- ``defaults``: ``vitprune.patch(model, keep_rate=K)``;
+- ``defaults``: ``vitprune.patch(model, keep_rate=K, class_only_last=False)``: the defaults'
+  reduction with every token through the last block (as the JSON in docs/bench measured
+  them; on a class-token model ``patch`` now also computes the class token alone there,
+  the ``--class-only`` rows);
 - ``defaults, free step``: the same patch with its matching and merging replaced by a slice
   to the same token counts (the rest of the patch, size-aware attention included, runs as
   before): what the defaults would read if their reduction step cost nothing. The gap
@@ -77,7 +80,8 @@ def every(model: torch.nn.Module, step: int, gflops: float) -> PruneConfig:
     """The defaults' method in every ``step``-th block (``step - 1, 2 step - 1, ...``), with
     the largest keep rate whose analytic FLOPs fit ``gflops``."""
     stages = every_stages(len(model.blocks), step)
-    return PruneConfig(keep_rate=vitprune.fit_keep_rate(model, gflops, stages=stages), stages=stages)
+    rate = vitprune.fit_keep_rate(model, gflops, stages=stages, class_only_last=False)
+    return PruneConfig(keep_rate=rate, stages=stages, class_only_last=False)
 
 
 def main() -> None:
@@ -100,7 +104,7 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = timm.create_model(args.model, pretrained=False).eval()
-    defaults = PruneConfig(keep_rate=args.keep_rate)
+    defaults = PruneConfig(keep_rate=args.keep_rate, class_only_last=False)
     paper = PruneConfig(indicator="var", keep_rate=args.keep_rate, **PAPER_OPTIONS)
     models = {"unpruned": model,
               "defaults": vitprune.patch(copy.deepcopy(model), defaults),
@@ -145,7 +149,8 @@ def main() -> None:
         ideal = flops["unpruned"] / flops[name]
         rows.append(dict(setting=name, gflops=flops[name] / 1e9, speedup=speedup, ideal=ideal,
                          achieved=speedup / ideal, median_s=seconds[name]))
-        print(f"{name:<{width}} {flops[name] / 1e9:>7.2f} {speedup:>7.3f}x {ideal:>5.2f}x {100 * speedup / ideal:>16.1f}%")
+        share = 100 * speedup / ideal
+        print(f"{name:<{width}} {flops[name] / 1e9:>7.2f} {speedup:>7.3f}x {ideal:>5.2f}x {share:>16.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=vars(args), torch=torch.__version__, timm=timm.__version__,

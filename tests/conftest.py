@@ -32,7 +32,7 @@ def image_batch(model: torch.nn.Module, batch: int = 2, seed: int = 1) -> torch.
 
 #: The paper's method (its three stages, top-scored tokens kept, one fusion token, plain
 #: attention), for the tests that check it rather than the library's defaults.
-PAPER = dict(stages=None, selection="top", reduction="fuse", size_aware=False)
+PAPER = dict(stages=None, selection="top", reduction="fuse", size_aware=False, class_only_last=False)
 
 
 def paper(**options):

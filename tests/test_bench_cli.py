@@ -96,6 +96,22 @@ def test_bench_times_the_merging_baseline_at_the_defaults_flops(tmp_path):
     assert 0.9 * default["gflops"] < merging["gflops"] <= default["gflops"]
 
 
+@pytest.mark.parametrize("flag, expected", [([], True), (["--class-only-last", "off"], False),
+                                            (["--class-only-last"], True)], ids=["auto", "off", "on"])
+def test_bench_class_only_last_reaches_every_method_and_the_rows(tmp_path, flag, expected):
+    """``auto``: each method's own (the defaults on for a class-token head, the paper off);
+    ``off``/``on``: every method; the rows record what the patched model ran."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.5", "--indicators", "default", "var",
+                 *flag, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["class_only_last"] for r in rows] == [None, expected, expected if flag else False]
+    suffix = {(): "", ("--class-only-last", "off"): " full last", ("--class-only-last",): " class-only last"}
+    assert rows[1]["setting"] == "default keep 0.5" + suffix[tuple(flag)]
+    if not flag:  # the saving: fewer FLOPs than the paper's three stages at the same keep rate
+        assert rows[1]["gflops"] < rows[2]["gflops"]
+
+
 def test_the_merging_baseline_needs_analytic_flops(capsys):
     assert main(["bench", "--model", "eva02_tiny_patch14_224", "--img-size", "56", "--batch", "1", "--rounds", "1",
                  "--warmup", "0", "--no-memory", "--no-progress", "--keep-rates", "0.7", "--baseline", "merge"]) == 2

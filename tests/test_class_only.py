@@ -1,6 +1,10 @@
-"""``class_only_last``: the last block computes only the prefix tokens, which is all a
-``global_pool="token"`` head reads. The logits must be those of the same patch without it
-(and of the unpatched model when nothing is reduced), the FLOPs what the formula says."""
+"""``class_only_last``: in ``forward`` the last block computes only the prefix tokens, which
+is all a ``global_pool="token"`` head reads. The logits must be those of the same patch without
+it (and of the unpatched model when nothing is reduced), ``forward_features`` must still return
+every token, the FLOPs must be what the formula says, and the default (``None``) must turn it
+on exactly where it applies."""
+
+import threading
 
 import copy
 
@@ -53,26 +57,27 @@ def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
         block.attn.fused_attn = fused
     x = images()
     expected = logits(model, x)
+    with torch.no_grad():
+        features = model.forward_features(x)
     vitprune.patch(model, keep_rate=1.0, class_only_last=True)
     assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        features = model.forward_features(x)
-    assert features.shape == (3, model.num_prefix_tokens, 48)  # the prefix tokens alone
+        assert_close(model.forward_features(x), features)  # called directly: every token
 
 
 @pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])
 @pytest.mark.parametrize("options", [{}, dict(keep_rate=0.4), PAPER, dict(indicator="var", keep_rate=0.5)], ids=str)
 def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
     model, x = build(kind), images()
-    expected = logits(vitprune.patch(copy.deepcopy(model), **options), x)
-    vitprune.patch(model, **options, class_only_last=True)
+    expected = logits(vitprune.patch(copy.deepcopy(model), **{**options, "class_only_last": False}), x)
+    vitprune.patch(model, **{**options, "class_only_last": True})
     assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_the_last_block_leaves_spread_and_all_and_an_explicit_stage_there_is_refused():
     model = build("class token")
     spread = vitprune.get_config(vitprune.patch(copy.deepcopy(model), class_only_last=True))
-    plain = vitprune.get_config(vitprune.patch(copy.deepcopy(model)))
+    plain = vitprune.get_config(vitprune.patch(copy.deepcopy(model), class_only_last=False))
     assert plain.stages == (0, 1, 2, 3) and spread.stages == (0, 1, 2)
     assert spread.keep_rate == plain.keep_rate[:3]  # the other blocks keep what they kept
     every = vitprune.get_config(vitprune.patch(copy.deepcopy(model), stages="all", class_only_last=True))
@@ -81,6 +86,8 @@ def test_the_last_block_leaves_spread_and_all_and_an_explicit_stage_there_is_ref
     with pytest.raises(ValueError, match=r"stages include the last block \(3\)"):
         vitprune.patch(model, stages=(1, 3), class_only_last=True)
     assert_same(before, snapshot(model))
+    # left at its default, an explicit stage at the last block turns it off instead
+    assert not vitprune.get_config(vitprune.patch(model, stages=(1, 3))).class_only_last
 
 
 def test_flops_by_hand():
@@ -89,7 +96,7 @@ def test_flops_by_hand():
     (8 C^2) and its row of both attention products (2 L C)."""
     model = build("class token")
     C, L, P = 48, 17, 1
-    config = vitprune.PruneConfig(keep_rate=1.0, stages=(1,))
+    config = vitprune.PruneConfig(keep_rate=1.0, stages=(1,), class_only_last=False)
     saved = (L - P) * (C * C + C * C + 8 * C * C) + 2 * (L - P) * L * C
     only = vitprune.PruneConfig(keep_rate=1.0, stages=(1,), class_only_last=True)
     assert schedule_flops(model, config) - schedule_flops(model, only) == saved
@@ -101,14 +108,15 @@ def test_analytic_count_agrees_with_fvcore(kind, options):
     model = vitprune.patch(build(kind), **options, class_only_last=True)
     traced, analytic = count_flops(model), analytic_flops(model)
     assert abs(traced - analytic) / analytic < 0.02
-    assert analytic < schedule_flops(model, vitprune.PruneConfig(**options))
+    assert analytic < schedule_flops(model, vitprune.PruneConfig(**options, class_only_last=False))
 
 
 def test_budget_fit_counts_the_saving():
     model = build("class token")
     target = 0.6 * analytic_flops(model) / 1e9
     with_it = vitprune.fit_keep_rate(model, target, class_only_last=True)
-    without = vitprune.fit_keep_rate(model, target)
+    without = vitprune.fit_keep_rate(model, target, class_only_last=False)
+    assert vitprune.fit_keep_rate(model, target) == with_it  # the default counts it where it applies
     assert with_it > without  # the saving buys tokens elsewhere
     config = vitprune.PruneConfig(keep_rate=with_it, class_only_last=True)
     assert schedule_flops(model, config) <= target * 1e9
@@ -128,25 +136,113 @@ def test_models_whose_head_reads_more_are_refused_untouched(model):
     assert_same(before, snapshot(model))
 
 
-@pytest.mark.parametrize("value", [1, "yes", None])
+@pytest.mark.parametrize("value", [1, "yes", 0.0])
 def test_a_non_bool_is_refused(value):
-    with pytest.raises(TypeError, match="class_only_last must be True or False"):
+    with pytest.raises(TypeError, match="class_only_last must be True, False or None"):
         vitprune.PruneConfig(class_only_last=value)
 
 
-def test_a_pooling_changed_after_patching_is_refused_at_the_forward():
-    model = vitprune.patch(build("class token"), class_only_last=True)
+@pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "registers (5 prefix)"])
+def test_the_default_turns_it_on_for_a_token_pooled_head(kind):
+    model, x = build(kind), images()
+    assert vitprune.PruneConfig().class_only_last is None
+    config = vitprune.get_config(vitprune.patch(model, keep_rate=0.5))
+    assert config.class_only_last is True and config.stages == (0, 1, 2)
+    shapes = []
+    hook = model.blocks[-1].register_forward_hook(lambda module, args, out: shapes.append(out.shape[1]))
+    logits(model, x)
+    hook.remove()
+    assert shapes == [model.num_prefix_tokens]
+
+
+@pytest.mark.parametrize("model", [
+    lambda: timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, global_pool="avg"),
+    lambda: timm.create_model("eva02_tiny_patch14_224", img_size=28, depth=2),
+], ids=["avg pool", "EVA"])
+def test_the_default_leaves_it_off_where_it_does_not_apply(model):
+    model = model().eval()
+    config = vitprune.get_config(vitprune.patch(model, keep_rate=0.5))
+    assert config.class_only_last is False and config.stages[-1] == len(model.blocks) - 1
+
+
+def test_a_pooling_changed_after_patching_runs_the_whole_last_block():
+    """The option is checked at every forward: a head that now reads every token gets them,
+    with exactly the logits of the same stages without the option, and the FLOP count follows."""
+    model, x = build("class token"), images()
+    vitprune.patch(model, keep_rate=0.5, class_only_last=True)
+    only = vitprune.analytic_flops(model)
     model.reset_classifier(10, global_pool="avg")
-    with pytest.raises(RuntimeError, match="class_only_last=True.*global_pool='avg'"):
-        model(images())
+    resolved = vitprune.get_config(model)
+    reference = vitprune.patch(copy.deepcopy(model), resolved, class_only_last=False)
+    assert_close(logits(model, x), logits(reference, x), rtol=0, atol=0)
+    assert vitprune.analytic_flops(model) == vitprune.analytic_flops(reference) > only
 
 
-def test_intermediates_of_the_last_block_are_not_a_grid():
-    model = vitprune.patch(build("class token"), keep_rate=1.0, class_only_last=True)
-    with pytest.raises(ValueError, match=r"blocks \[3\]"):
-        model.forward_intermediates(images(), indices=[3], output_fmt="NCHW")
-    _, maps = model.forward_intermediates(images(), indices=[2], output_fmt="NCHW")
-    assert maps[0].shape == (3, 48, 4, 4)
+def test_forward_features_and_intermediates_return_every_token():
+    """Called directly (not from ``forward``), the last block computes every token; the
+    logits of ``forward_head`` on them equal the model's own."""
+    model, x = vitprune.patch(build("class token"), keep_rate=0.5), images()
+    with torch.no_grad():
+        out = model(x)
+        features = model.forward_features(x)
+        again = model(x)
+        final, maps = model.forward_intermediates(x, indices=[3], output_fmt="NLC")
+    kept = vitprune.kept_positions(model)[-1].shape[1]
+    assert features.shape == (3, 1 + kept, 48) and final.shape == features.shape
+    assert maps[0].shape == (3, kept, 48)  # timm leaves the prefix tokens out of intermediates
+    assert_close(model.forward_head(features), out, rtol=1e-5, atol=1e-6)
+    assert_close(again, out, rtol=0, atol=0)
+    unpruned = vitprune.patch(build("class token"), keep_rate=1.0)
+    _, grids = unpruned.forward_intermediates(x, indices=[3], output_fmt="NCHW")
+    assert grids[0].shape == (3, 48, 4, 4)  # nothing pruned: the last block's output is a grid
+
+
+def test_another_threads_forward_features_is_not_cut_short():
+    """Which calls compute the class token alone is per thread: a ``forward_features`` on
+    another thread while this thread's ``forward`` is half way neither stops short nor ends
+    this forward's shortcut."""
+    model, x = vitprune.patch(build("class token"), keep_rate=0.5), images()
+    with torch.no_grad():
+        expected = model(x)
+    here, reached, done, shapes = threading.current_thread(), threading.Event(), threading.Event(), []
+
+    def pause(module, args, out):
+        if threading.current_thread() is here:
+            reached.set()
+            done.wait(timeout=60)
+
+    def features():
+        with torch.no_grad():
+            model(x)  # this thread's own forward first: its shortcut on, to be cleared
+            reached.wait(timeout=60)
+            shapes.append(model.forward_features(x).shape[1])
+        done.set()
+
+    last = []
+    hooks = [model.blocks[1].register_forward_hook(pause), model.blocks[-1].register_forward_hook(
+        lambda module, args, out: last.append(out.shape[1]) if threading.current_thread() is here else None)]
+    worker = threading.Thread(target=features)
+    worker.start()
+    with torch.no_grad():
+        out = model(x)
+    worker.join()
+    for hook in hooks:
+        hook.remove()
+    assert shapes == [1 + vitprune.kept_positions(model)[-1].shape[1]]
+    assert last == [1]  # this thread's forward kept its shortcut
+    assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_gradient_checkpointing_recomputes_the_same_block():
+    model, x = build("class token"), images()
+    reference = vitprune.patch(copy.deepcopy(model), keep_rate=0.5).train()
+    vitprune.patch(model, keep_rate=0.5).train()
+    model.set_grad_checkpointing(True)
+    for net in (model, reference):
+        net.zero_grad()
+        net(x).square().mean().backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_unpatch_restores_the_model_and_a_copy_keeps_the_option():
@@ -154,8 +250,9 @@ def test_unpatch_restores_the_model_and_a_copy_keeps_the_option():
     before, expected = snapshot(model), logits(model, x)
     vitprune.patch(model, keep_rate=0.5, class_only_last=True)
     reduced = logits(model, x)
-    assert_close(logits(copy.deepcopy(model), x), reduced)
-    assert copy.deepcopy(model).forward_features(x).shape[1] == 1
+    copied = copy.deepcopy(model)
+    assert_close(logits(copied, x), reduced)
+    assert vitprune.get_config(copied).class_only_last and copied.blocks[-1].vitprune_class_only
     vitprune.unpatch(model)
     assert_same(before, snapshot(model))
     assert_close(logits(model, x), expected)
@@ -164,7 +261,7 @@ def test_unpatch_restores_the_model_and_a_copy_keeps_the_option():
 def test_training_gives_the_gradients_of_the_patch_without_it():
     """The loss reads the class token alone, so no parameter's gradient may change."""
     model, x = build("class token"), images()
-    reference = vitprune.patch(copy.deepcopy(model), keep_rate=0.5).train()
+    reference = vitprune.patch(copy.deepcopy(model), keep_rate=0.5, class_only_last=False).train()
     vitprune.patch(model, keep_rate=0.5, class_only_last=True).train()
     for net in (model, reference):
         net.zero_grad()

@@ -198,12 +198,13 @@ def test_class_only_last_applies_to_every_method_and_its_budgets(fashion_tree, t
                  "--baseline", "merge", "--class-only-last", "--no-progress", "--out", str(out)]) == 0
     rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
     model, _ = load_shipped("fashion_mnist")
-    plain = {s.label: s for s in build_settings(model, budgets=[0.6])}
+    plain = {s.label: s for s in build_settings(model, budgets=[0.6], class_only_last=False)}
     only = {s.label: s for s in build_settings(model, budgets=[0.6], baseline=True, class_only_last=True)}
     setting = only["default class-only last 60% FLOPs"]
-    assert setting.options["class_only_last"] and setting.keep_rate > plain["default 60% FLOPs"].keep_rate
+    assert setting.options["class_only_last"] and setting.keep_rate > plain["default full last 60% FLOPs"].keep_rate
     images, labels = load_test_subset("fashion_mnist")
-    same = vitprune.patch(copy.deepcopy(model), keep_rate=setting.keep_rate)  # the class token is never merged
+    # the class token is never merged
+    same = vitprune.patch(copy.deepcopy(model), keep_rate=setting.keep_rate, class_only_last=False)
     assert rows[setting.label]["top1"] == pytest.approx(100 * accuracy(same, images, labels), abs=1e-9)
     merging = [s for s in only.values() if s.method == "merging"]
     assert merging and not any(s.options["config"].class_only_last for s in merging)

@@ -165,7 +165,7 @@ def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merg
         monkeypatch.setattr(state_module, "bipartite_merge", general)
     (fast, fast_positions, fast_sizes, fast_groups), (slow, slow_positions, slow_sizes, slow_groups) = runs
     assert torch.equal(fast, slow) and torch.equal(fast_sizes, slow_sizes)
-    assert len(fast_positions) == len(model.blocks)
+    assert len(fast_positions) == len(model.blocks) - 1  # the last block: the class token alone
     assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
     assert all(torch.equal(a, b) for a, b in zip(fast_groups, slow_groups))
 
@@ -280,7 +280,7 @@ def test_positions_worked_out_when_read_equal_those_worked_out_at_once(tiny, mon
         monkeypatch.setattr("vitprune.core.state.is_compiling", lambda: True)
         model(x)
         at_once = vitprune.kept_positions(model)
-    assert len(deferred) == len(at_once) == len(model.blocks)
+    assert len(deferred) == len(at_once) == len(model.blocks) - 1  # the last: the class token alone
     assert all(torch.equal(a, b) for a, b in zip(deferred, at_once))
     # every stage's positions name distinct patches of the input (the fusion token: -1)
     last = at_once[-1]
@@ -320,7 +320,7 @@ def test_size_aware_following_blocks_add_the_bias_and_only_after_the_first_stage
     vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6))
     assert [type(b).__name__ for b in tiny.blocks] == ["Block"] * 3 + ["PruneBlock"] * 9
     assert [b.vitprune_stage for b in tiny.blocks[3:]] == [0, None, None, 1] + [None] * 5
-    vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6), size_aware=False)
+    vitprune.patch(tiny, keep_rate=0.5, stages=(3, 6), size_aware=False, class_only_last=False)
     assert [type(b).__name__ for b in tiny.blocks].count("PruneBlock") == 2
     x = image_batch(tiny)
     with torch.no_grad():
@@ -331,7 +331,7 @@ def test_size_aware_following_blocks_add_the_bias_and_only_after_the_first_stage
 
 
 def test_every_block_schedule_removes_tokens_in_each_block(tiny):
-    vitprune.patch(tiny, keep_rate=0.9, stages="all")
+    vitprune.patch(tiny, keep_rate=0.9, stages="all", class_only_last=False)
     assert vitprune.get_config(tiny).stages == tuple(range(12))
     with torch.no_grad():
         tiny(image_batch(tiny))
@@ -392,13 +392,15 @@ def test_keep_1_equals_the_unpatched_model_for_every_mode(tiny):
         expected = tiny(x)
         for selection in ("top", "redundant", "bipartite"):
             for reduction in ("merge", "fuse", "drop"):
-                vitprune.patch(tiny, keep_rate=1.0, stages="all", selection=selection, reduction=reduction)
+                vitprune.patch(tiny, keep_rate=1.0, stages="all", selection=selection, reduction=reduction,
+                               class_only_last=False)  # bit for bit; with it, test_class_only.py
                 assert_close(tiny(x), expected, rtol=0, atol=0)
 
 
 def test_defaults_are_the_measured_best_not_the_papers_fusion_token(tiny):
     config = vitprune.patch(tiny).vitprune_state.config
     assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
+    assert config.class_only_last is True  # a class-token head: the last block computes it alone
     assert vitprune.PruneConfig(**PAPER).reduction == "fuse"
 
 

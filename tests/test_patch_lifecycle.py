@@ -46,13 +46,14 @@ def test_patching_again_replaces_the_previous_patch(tiny):
 def test_get_config_reads_back_the_resolved_config(tiny):
     vitprune.patch(tiny, indicator="medad", keep_rate=0.6, T=0.5, fuse=False, stages=None)
     cfg = vitprune.get_config(tiny)
-    assert cfg == vitprune.PruneConfig("medad", (0.6, 0.6, 0.6), (3, 6, 9), 0.5, False)
+    # class_only_last=None is read back as what it became: on (a class-token head, no stage at the last block)
+    assert cfg == vitprune.PruneConfig("medad", (0.6, 0.6, 0.6), (3, 6, 9), 0.5, False, class_only_last=True)
 
 
 def test_patch_accepts_a_config_object_with_overrides(tiny):
     base = vitprune.PruneConfig(indicator="cls", keep_rate=0.9, stages=(2,))
     vitprune.patch(tiny, base, keep_rate=0.4)
-    assert vitprune.get_config(tiny) == vitprune.PruneConfig("cls", (0.4,), (2,))
+    assert vitprune.get_config(tiny) == vitprune.PruneConfig("cls", (0.4,), (2,), class_only_last=True)
 
 
 def test_state_dict_moves_between_patched_and_unpatched(tiny):

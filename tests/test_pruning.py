@@ -38,7 +38,8 @@ def test_deit_small_token_counts_follow_the_rule(batch):
 def test_without_fusion_the_pruned_tokens_are_dropped(tiny):
     vitprune.patch(tiny, keep_rate=0.5, stages=(2, 8), fuse=False)
     counts = tokens_after_each_block(tiny, image_batch(tiny))
-    assert counts == [197] * 2 + [1 + 98] * 6 + [1 + 49] * 4
+    # the last block returns the class token alone (class_only_last, on by default here)
+    assert counts == [197] * 2 + [1 + 98] * 6 + [1 + 49] * 3 + [1]
 
 
 def test_distilled_model_keeps_both_prefix_tokens():

@@ -69,15 +69,16 @@ def test_the_check_catches_the_papers_printed_eq6(monkeypatch):
 
 
 # The defaults against the paper's method and the token-merging baseline, each fitted to the
-# same share of the unpruned analytic FLOPs, on the shipped subsets. Measured (2,000 images):
-#   fashion_mnist 0.7: defaults 90.35, paper 87.40, merging 90.75; 0.5: 88.45, 76.85, 87.65
-#   cluttered     0.7: defaults 75.30, paper 74.70, merging 75.30; 0.5: 74.50, 73.80, 74.45
+# same share of the unpruned analytic FLOPs, on the shipped subsets. Measured (2,000 images;
+# the defaults with the class token alone in the last block, in brackets without it):
+#   fashion_mnist 0.7: defaults 90.90 (90.35), paper 87.40, merging 90.75; 0.5: 89.00 (88.45), 76.85, 87.65
+#   cluttered     0.7: defaults 75.35 (75.30), paper 74.70, merging 75.30; 0.5: 75.45 (74.50), 73.80, 74.45
 # dataset, share: (lead over the paper's method, lead over merging; negative = may trail by)
 DEFAULT_MARGINS = {
-    ("fashion_mnist", 0.7): (0.02, -0.006),
-    ("fashion_mnist", 0.5): (0.08, 0.0),
-    ("cluttered", 0.7): (0.002, -0.003),
-    ("cluttered", 0.5): (0.002, -0.003),
+    ("fashion_mnist", 0.7): (0.02, 0.0),
+    ("fashion_mnist", 0.5): (0.08, 0.01),
+    ("cluttered", 0.7): (0.002, -0.001),
+    ("cluttered", 0.5): (0.002, 0.005),
 }
 
 
@@ -87,6 +88,7 @@ def at_share(dataset: str, share: float, method: str) -> float:
     target = share * schedule_flops(model, None) / 1e9
     if method == "defaults":
         vitprune.patch(model, keep_rate=vitprune.fit_keep_rate(model, target))
+        assert vitprune.get_config(model).class_only_last  # the measured best on these class-token heads
     elif method == "paper":
         vitprune.patch(model, indicator="var", keep_rate=vitprune.fit_keep_rate(model, target, **PAPER), **PAPER)
     else:

@@ -27,13 +27,13 @@ from tqdm.auto import tqdm
 
 from ..core.config import PAPER_OPTIONS, SPREAD, PruneConfig
 from ..core.grid import input_size
-from ..core.patching import check_model, patch
+from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
 from ..measure.baseline import fit_merging
 from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
-from .parsers import DEFAULT
+from .parsers import CLASS_ONLY, DEFAULT
 
 #: ``Setting.indicator`` of the token-merging baseline.
 MERGING = "merging"
@@ -49,6 +49,7 @@ class Setting:
     keep_rate: float = 1.0
     stages: Optional[Tuple[int, ...]] = None
     overlap_stride: Optional[int] = None
+    class_only_last: Optional[bool] = None  # None: the method's own (see ``PruneConfig``)
     fitted: Optional[PruneConfig] = field(default=None, compare=False)  # the merging baseline's config
 
     @property
@@ -59,7 +60,8 @@ class Setting:
             return f"merging @ default keep {self.keep_rate:g}"
         where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
         overlap = "" if self.overlap_stride is None else f" ov{self.overlap_stride}"
-        return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}"
+        last = {None: "", True: " class-only last", False: " full last"}[self.class_only_last]
+        return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}{last}"
 
     def config(self) -> Optional[PruneConfig]:
         """``indicator="default"``: vitprune's defaults (``stages`` default ``"spread"``);
@@ -69,11 +71,12 @@ class Setting:
             return None
         if self.indicator == MERGING:
             return self.fitted
+        forced = {} if self.class_only_last is None else {"class_only_last": self.class_only_last}
         if self.indicator == DEFAULT:
             return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
-                               overlap_stride=self.overlap_stride)
+                               overlap_stride=self.overlap_stride, **forced)
         return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, overlap_stride=self.overlap_stride,
-                           **{**PAPER_OPTIONS, "stages": self.stages})
+                           **{**PAPER_OPTIONS, "stages": self.stages, **forced})
 
 
 @dataclass
@@ -100,15 +103,18 @@ class Row:
     threads: int
     compiled: bool
     rounds: int
+    class_only_last: Optional[bool] = None  # what the patched model runs (None: unpruned)
 
 
 def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
                   stages: Sequence[Optional[Tuple[int, ...]]],
-                  overlap_strides: Sequence[Optional[int]] = (None,)) -> List[Setting]:
-    """The unpruned setting, then every indicator x keep rate x stages x overlap stride."""
+                  overlap_strides: Sequence[Optional[int]] = (None,),
+                  class_only_last: Optional[bool] = None) -> List[Setting]:
+    """The unpruned setting, then every indicator x keep rate x stages x overlap stride
+    (each with ``class_only_last``; ``None``: each method's own)."""
     grid = [Setting()]
     for combination in itertools.product(indicators, keep_rates, stages, overlap_strides):
-        grid.append(Setting(*combination))
+        grid.append(Setting(*combination, class_only_last=class_only_last))
     return grid
 
 
@@ -176,9 +182,11 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, warmup: 
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: Sequence[int]) -> List[Setting]:
-    """Token merging (``measure.baseline``) at the analytic FLOPs of vitprune's defaults at each
-    keep rate below 1, so the two are timed at equal cost.
+def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: Sequence[int],
+                     class_only_last: Optional[bool] = None) -> List[Setting]:
+    """Token merging (``measure.baseline``) at the analytic FLOPs of vitprune's defaults (with
+    ``class_only_last``, ``None``: their own) at each keep rate below 1, so the two are timed
+    at equal cost.
 
     Raises:
         TypeError: The model's FLOPs have no analytic count (the fit needs one).
@@ -187,7 +195,8 @@ def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: 
     for rate in keep_rates:
         if rate < 1:
             try:
-                target = schedule_flops(model, Setting(DEFAULT, rate).config(), size) / 1e9
+                target = schedule_flops(model, Setting(DEFAULT, rate, class_only_last=class_only_last).config(),
+                                        size) / 1e9
             except TypeError:
                 raise TypeError(f"--baseline merge fits token merging to the analytic FLOPs, which do not cover "
                                 f"this {type(model).__name__} (plain timm ViT blocks and transformers ViTs "
@@ -216,13 +225,14 @@ def run(args: argparse.Namespace) -> List[Row]:
     if args.img_size:
         model_kwargs["img_size"] = args.img_size
     stages = [None] if args.stages is None else [tuple(s) for s in args.stages]
-    grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides])
+    forced = CLASS_ONLY[getattr(args, "class_only_last", "auto")]
+    grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides], forced)
 
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
     check_model(base)  # before anything reads a ViT's attributes: a clear refusal for a ResNet
     size = input_size(base, args.img_size)
     if getattr(args, "baseline", None) == "merge":
-        grid += merging_settings(base, args.keep_rates, size)
+        grid += merging_settings(base, args.keep_rates, size, forced)
     x = torch.randn(args.batch, 3, *size, device=device)
     models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}
     compiled = {label: args.compile == "all" for label in models}
@@ -265,6 +275,7 @@ def run(args: argparse.Namespace) -> List[Row]:
             ideal_speedup=ideal, achieved_over_ideal=speedup / ideal, peak_memory_mb=peaks[label],
             mode=args.mode, device=str(device), dtype=args.dtype, batch=args.batch, img_size=list(size),
             threads=torch.get_num_threads(), compiled=compiled[label], rounds=args.rounds,
+            class_only_last=get_config(models[label]).class_only_last if is_patched(models[label]) else None,
         ))
     return rows
 
@@ -314,7 +325,7 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     try:
         for combination in itertools.product(args.indicators, args.keep_rates, args.stages or [None],
                                              [None, *args.overlap_strides]):
-            Setting(*combination).config()
+            Setting(*combination, class_only_last=CLASS_ONLY[getattr(args, "class_only_last", "auto")]).config()
     except (TypeError, ValueError) as error:
         return str(error)
     return None

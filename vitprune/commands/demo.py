@@ -108,8 +108,9 @@ def main(args: argparse.Namespace) -> int:
         for dataset in args.datasets:
             rows += run_dataset(dataset, args.indicators, args.keep_rates, args.rounds, bar.update)
     print("Shipped small ViTs (vitprune/assets): 'default' is vitprune.patch(model, keep_rate=...), a few "
-          "tokens merged in every block at about the paper's cost; 'var'/'medad' the paper's method at "
-          "blocks (1, 3, 4) of 6; speedup measured here, batch 256, median of interleaved rounds")
+          "tokens merged in every block but the last, which computes the class token alone (all the head "
+          "reads); 'var'/'medad' the paper's method at blocks (1, 3, 4) of 6; speedup measured here, batch "
+          "256, median of interleaved rounds")
     print(format_rows(rows))
     if any(rate >= 0.9 for rate in args.keep_rates):
         print("Keep 0.9 saves about a tenth of the FLOPs; on models this small the scoring, matching and "

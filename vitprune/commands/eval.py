@@ -19,6 +19,7 @@ from ..data.folders import batches, class_names, open_images
 from ..data.hf_models import is_transformers_name, preprocessing_note
 from ..data.models import load_model
 from ..measure.evaluate import Row, build_settings, evaluate
+from .parsers import CLASS_ONLY
 
 
 def problem_with(args: argparse.Namespace) -> Optional[str]:
@@ -52,8 +53,8 @@ def head_outputs(model: torch.nn.Module) -> Optional[int]:
     if config is None:
         return None
     if "ForImageClassification" not in type(model).__name__:
-        raise TypeError(f"vitprune eval measures accuracy, so it needs an image classifier (a ...ForImageClassification "
-                        f"model); {type(model).__name__} returns no logits")
+        raise TypeError(f"vitprune eval measures accuracy, so it needs an image classifier (a "
+                        f"...ForImageClassification model); {type(model).__name__} returns no logits")
     return int(config.num_labels)
 
 
@@ -122,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
         settings = build_settings(model, methods=args.indicators, keep_rates=keep_rates, budgets=args.budgets,
                                   stages=args.stages, reductions=args.reductions or [None],
                                   baseline=args.baseline == "merge", img_size=config["input_size"][-2:],
-                                  class_only_last=args.class_only_last)
+                                  class_only_last=CLASS_ONLY[args.class_only_last])
     except (FileNotFoundError, ImportError, ValueError, TypeError) as error:
         return fail(str(error))
     if source == "random weights":

@@ -44,6 +44,18 @@ def stage_list(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}") from None
 
 
+#: ``--class-only-last`` values -> ``class_only_last`` for every method (``None``: each its own).
+CLASS_ONLY = {"auto": None, "on": True, "off": False}
+
+
+def add_class_only(group, spent: str) -> None:
+    """``--class-only-last [auto|on|off]`` (the flag alone: ``on``), parsed to ``None``/``True``/``False``."""
+    group.add_argument("--class-only-last", nargs="?", const="on", default="auto", choices=tuple(CLASS_ONLY),
+                       help="the class token alone through the last block (token-pooled timm ViTs): 'auto' "
+                            "(default) each method's own (the defaults: on where exact; the paper's method and "
+                            f"token merging: off); 'on' or 'off' for every method but token merging; the {spent}")
+
+
 def _subparser(subparsers: "argparse._SubParsersAction", name: str, help: str, description: str
                ) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
@@ -85,6 +97,7 @@ the ideal ratio from the FLOP counts.""")
                         help="also run every setting with these patch-embedding strides")
     parser.add_argument("--baseline", choices=("merge",), default=None,
                         help="also token merging (ToMe's method) at the FLOPs of the defaults at each keep rate")
+    add_class_only(parser, "FLOP and speedup columns count its saving")
     parser.add_argument("--batch", type=positive_int, default=32, help="images per step")
     parser.add_argument("--img-size", type=positive_int, default=None, help="square input size (default: the model's)")
     parser.add_argument("--mode", choices=MODES, default="infer",
@@ -146,7 +159,8 @@ def stage_schedule(text: str):
 
 
 def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model (or a transformers
+    parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """\
+Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model (or a transformers
 image classifier, --model hf:ID_OR_FOLDER), unpruned and under every setting asked for, on
 an image-folder tree (one folder per class) or anything timm.data.create_dataset reads.
 Preprocessing is the model's own: timm's pretrained config, or the transformers image
@@ -184,9 +198,7 @@ Example (ImageNet validation, a user's own copy):
                        help="where removed tokens go (default: each method's)")
     sweep.add_argument("--baseline", choices=("merge",), default=None,
                        help="also token merging (ToMe's method) at the same FLOPs")
-    sweep.add_argument("--class-only-last", action="store_true",
-                       help="every method with class_only_last=True (token-pooled timm ViTs): the class "
-                            "token alone in the last block, its saving spent by the budget fits")
+    add_class_only(sweep, "budget fits spend its saving")
     run = parser.add_argument_group("run")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     run.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPU, float16 on CUDA")

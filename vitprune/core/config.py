@@ -34,9 +34,10 @@ SPREAD = "spread"
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
 
 #: The paper's method besides its indicator, as ``patch`` options: its three stages, the
-#: top-scored tokens kept, the rest fused into one token, plain attention.
+#: top-scored tokens kept, the rest fused into one token, plain attention, every token
+#: through the last block.
 PAPER_OPTIONS: Mapping[str, Any] = MappingProxyType(
-    dict(stages=None, selection="top", reduction="fuse", size_aware=False))
+    dict(stages=None, selection="top", reduction="fuse", size_aware=False, class_only_last=False))
 
 
 def default_stages(depth: int) -> Tuple[int, ...]:
@@ -108,14 +109,18 @@ class PruneConfig:
             (docs/method.md §4). ``0``: token merging's order. ``None`` (the default):
             ``DEFAULT_CROWDING`` with ``selection="bipartite"``; any other selection refuses
             a number.
-        class_only_last: The last block computes only the prefix tokens' outputs (the class
-            token, and a distillation token where there is one), for models whose head reads
-            the class token alone (``global_pool="token"``): every patch token's output of
-            that block is discarded by the head, so leaving it out changes no logit and
-            saves most of that block's FLOPs (its keys and values are still computed).
-            The last block then never reduces: ``"spread"`` and ``"all"`` leave it out of
-            their stages, and an explicit stage there is refused. ``forward_features``
-            returns the prefix tokens only. Default ``False`` (docs/method.md §10).
+        class_only_last: In ``forward`` (the logits), the last block computes only the
+            prefix tokens' outputs (the class token, and a distillation token where there is
+            one), for models whose head reads the class token alone (``global_pool="token"``):
+            every patch token's output of that block is discarded by the head, so leaving it
+            out changes no logit and saves most of that block's FLOPs (its keys and values are
+            still computed). ``forward_features`` and ``forward_intermediates`` still compute
+            every token. The last block then never reduces: ``"spread"`` and ``"all"`` leave
+            it out of their stages. ``None`` (the default): on wherever it is exact (``patch``
+            asks the model's family) and the stages leave the last block alone, off
+            elsewhere. ``True``: on, and refused where it cannot apply or where an explicit
+            stage is the last block. ``False``: off (the paper's method, token merging).
+            Measured in docs/class_only.md; docs/method.md §10.
         fuse: The first release's switch, kept as an alias: ``True`` means
             ``reduction="fuse"``, ``False`` means ``reduction="drop"``. Stored as ``None``
             once folded into ``reduction``.
@@ -136,7 +141,7 @@ class PruneConfig:
     reduction: Optional[Reduction] = None
     size_aware: bool = DEFAULT_SIZE_AWARE
     crowding: Optional[float] = None
-    class_only_last: bool = False
+    class_only_last: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.indicator is not None and self.indicator not in INDICATORS:
@@ -182,8 +187,9 @@ class PruneConfig:
         if not isinstance(self.size_aware, bool):
             raise TypeError(f"size_aware must be True or False, got {self.size_aware!r}")
         self._check_crowding()
-        if not isinstance(self.class_only_last, bool):
-            raise TypeError(f"class_only_last must be True or False, got {self.class_only_last!r}")
+        if self.class_only_last is not None and not isinstance(self.class_only_last, bool):
+            raise TypeError(f"class_only_last must be True, False or None (on where exact), "
+                            f"got {self.class_only_last!r}")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
@@ -274,6 +280,15 @@ class PruneConfig:
                 raise ValueError("stages='spread' is worked out for a model's patch count: pass num_patches")
             return self._spread(depth, num_patches)._class_only(depth)
         return self._explicit(depth)._class_only(depth, refuse=self.stages not in (None, ALL_BLOCKS))
+
+    def settle_class_only(self, applies: bool, depth: int) -> "PruneConfig":
+        """This config with ``class_only_last=None`` made definite for a model of ``depth``
+        blocks: on when the model allows it (``applies``, its family's answer) and no
+        explicit stage is the last block, off otherwise. A definite value is kept."""
+        if self.class_only_last is not None:
+            return self
+        explicit = self.stages not in (None, ALL_BLOCKS, SPREAD)
+        return dataclasses.replace(self, class_only_last=applies and not (explicit and depth - 1 in self.stages))
 
     def _class_only(self, depth: int, refuse: bool = False) -> "PruneConfig":
         """With ``class_only_last``, these resolved stages without the last block (which then

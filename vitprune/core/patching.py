@@ -60,14 +60,19 @@ def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
     return plan
 
 
-def _check_class_only(model: nn.Module, family: Family, config: PruneConfig) -> None:
-    """Raise ``TypeError`` when ``class_only_last`` is set and the model cannot take it."""
-    if not config.class_only_last:
-        return
+def settle_class_only(model: nn.Module, config: PruneConfig, family: Optional[Family] = None) -> PruneConfig:
+    """``config`` for ``model`` with ``class_only_last=None`` made definite (on where the
+    model's family allows it and no explicit stage is the last block, see
+    :meth:`PruneConfig.settle_class_only`); ``TypeError`` when it is ``True`` and the model
+    cannot take it. A model of no known family takes it off."""
+    family = family_of(model) if family is None else family
+    if family is None:
+        return config if config.class_only_last is not None else dataclasses.replace(config, class_only_last=False)
     reason = family.class_only(model)
-    if reason is not None:
+    if config.class_only_last and reason is not None:
         raise TypeError(f"class_only_last=True cannot apply to this {family.model.__name__}: {reason}; "
-                        "leave class_only_last=False")
+                        "leave class_only_last=None (on where exact) or False")
+    return config.settle_class_only(reason is None, len(family.blocks_of(model)))
 
 
 def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optional[int], Optional[int]]]") -> None:
@@ -174,7 +179,7 @@ def patch(
         reduction: Optional[Reduction] = DEFAULT,
         size_aware: bool = DEFAULT,
         crowding: Optional[float] = DEFAULT,
-        class_only_last: bool = DEFAULT,
+        class_only_last: Optional[bool] = DEFAULT,
         overlap_stride: Optional[int] = DEFAULT,
         seed: Optional[int] = DEFAULT,
         fuse: Optional[bool] = DEFAULT,
@@ -187,8 +192,10 @@ def patch(
     exactly as it was. Patching a patched model replaces the previous patch. The
     defaults are the configuration our experiments found most accurate at equal FLOPs
     (bipartite matching, merging into the most similar kept token, size-aware
-    attention, every block; docs/method.md §9); the paper's method is
-    ``indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False``.
+    attention, every block, and the class token alone through the last block where the
+    head reads nothing else; docs/method.md §9, §10); the paper's method is
+    ``indicator="var", stages=None, selection="top", reduction="fuse", size_aware=False,
+    class_only_last=False``.
     Every keyword is a :class:`PruneConfig` field (see it for the accepted values) except
     ``generator``; one left out takes ``config``'s value, or ``PruneConfig``'s default.
 
@@ -211,9 +218,10 @@ def patch(
         size_aware: Add ``log(size)`` to the attention logits of merged tokens (default True).
         crowding: Bipartite matching: weight of each candidate's crowding (its near copies
             among the destinations) in the order candidates go; ``0``: token merging's.
-        class_only_last: The last block computes the prefix tokens only, which is all a
-            ``global_pool="token"`` head reads: the same logits for most of that block's FLOPs
-            (default False; ``forward_features`` then returns the prefix tokens only).
+        class_only_last: In ``forward``, the last block computes the prefix tokens only,
+            which is all a ``global_pool="token"`` head reads: the same logits for most of that
+            block's FLOPs. ``None`` (default): on where exact and no explicit stage is the last
+            block; ``True``: on or refused; ``False``: off.
         overlap_stride: Give the patch embedding this stride (overlapping patches).
         seed: Seed of the ``"random"`` indicator.
         fuse: The first release's switch (``True``: ``reduction="fuse"``, ``False``: ``"drop"``).
@@ -231,7 +239,7 @@ def patch(
         >>> model = timm.create_model("deit_small_patch16_224")
         >>> vitprune.patch(model, keep_rate=0.7)
         >>> vitprune.patch(model, indicator="var", keep_rate=0.7, stages=(3, 6, 9),
-        ...                selection="top", reduction="fuse", size_aware=False)
+        ...                selection="top", reduction="fuse", size_aware=False, class_only_last=False)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -242,10 +250,10 @@ def patch(
         seed=seed, fuse=fuse))
     family = check_model(model)
     blocks = family.blocks_of(model)
+    cfg = settle_class_only(model, cfg, family)
     cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
     plan = _swap_plan(family, len(blocks), cfg.stages, cfg.size_aware, cfg.class_only_last)
     _check_blocks(model, family, plan)
-    _check_class_only(model, family, cfg)
     _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None:

@@ -170,6 +170,28 @@ class PruneState:
     def sizes(self) -> Optional[torch.Tensor]:
         return self.records.sizes
 
+    @property
+    def head_only(self) -> bool:
+        """Whether the calling thread's current (or last) call runs the last block for the
+        prefix tokens alone (``class_only_last``): set by the model's ``forward``, cleared by a
+        direct ``forward_features`` or ``forward_intermediates``. It stays set after the
+        forward returns, so gradient checkpointing recomputes the same block."""
+        return getattr(self._local, "head_only", False)
+
+    @head_only.setter
+    def head_only(self, value: bool) -> None:
+        self._local.head_only = value
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the calling thread is inside the model's ``forward`` (whose own call of
+        ``forward_features`` must not clear :attr:`head_only`)."""
+        return getattr(self._local, "in_forward", False)
+
+    @in_forward.setter
+    def in_forward(self, value: bool) -> None:
+        self._local.in_forward = value
+
     def scores(self, row: torch.Tensor) -> torch.Tensor:
         """``(B, N)`` float32 scores from the class attention row ``(B, H, N)`` (``"var"``
         when the config names no indicator)."""

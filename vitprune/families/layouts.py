@@ -37,7 +37,7 @@ class PruningBlock:
     vitprune_state: PruneState
     vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows a stage
     vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
-    vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out only
+    vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out in forward
 
     def _vitprune_begin(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The size-aware attention bias for ``x`` (see ``PruneState.begin``)."""

@@ -9,6 +9,9 @@ Changed methods, which differ from timm's only while a forward pruned something:
   stays a mean over patches. Attention pooling (``global_pool="map"``) gets the same
   weighting as an additive ``log(size)`` on its attention logits, which equals attending
   to that token repeated ``size`` times. Token, max and no pooling are unchanged.
+- ``forward``: with ``class_only_last``, the last block computes the prefix tokens alone
+  (``PruneState.head_only``), all a ``global_pool="token"`` head reads; a direct
+  ``forward_features`` or ``forward_intermediates`` computes every token.
 - ``forward_features`` (and ``forward_intermediates``'s final features) records on the
   returned tensor the token sizes that produced it, so ``forward_head`` pools any
   features with their own sizes, whatever ran in between or on other threads.
@@ -81,23 +84,24 @@ class PrunedModel:
             "vitprune.unpatch the model first"
         )
 
-    def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        self._vitprune_check_head()
-        features = super().forward_features(*args, **kwargs)
-        return _mark(features, self.vitprune_state.sizes)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """timm's ``forward``; with ``class_only_last``, its last block computes the prefix
+        tokens alone while the head reads the class token alone (checked at every call: a
+        model whose pooling changed since ``patch`` runs the whole block, exactly)."""
+        state = self.vitprune_state
+        state.head_only = bool(state.config.class_only_last) and family_of(self).class_only(self) is None
+        state.in_forward = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            state.in_forward = False
 
-    def _vitprune_check_head(self) -> None:
-        """With ``class_only_last``, refuse a model changed since ``patch`` so that the option no
-        longer applies (``reset_classifier(global_pool="avg")``, say: it would pool the prefix
-        tokens alone without a word), by the family's own check that ``patch`` ran."""
-        if not self.vitprune_state.config.class_only_last:
-            return
-        reason = family_of(self).class_only(self)
-        if reason is not None:
-            raise RuntimeError(
-                f"vitprune: this model was patched with class_only_last=True (its last block computes the "
-                f"class token alone), which no longer applies since it changed: {reason}; patch it again "
-                f"(class_only_last=False)")
+    def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        state = self.vitprune_state
+        if not state.in_forward:  # called directly: every token, through every block
+            state.head_only = False
+        features = super().forward_features(*args, **kwargs)
+        return _mark(features, state.sizes)
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
@@ -123,10 +127,8 @@ class PrunedModel:
         bound = inspect.signature(super().forward_intermediates).bind(*args, **kwargs)
         bound.apply_defaults()
         options: Dict[str, Any] = bound.arguments
-        self._vitprune_check_head()
+        self.vitprune_state.head_only = False  # every token, through every block
         first = self._vitprune_first_pruning_block(options["x"])
-        if self.vitprune_state.config.class_only_last:
-            first = len(self.blocks) - 1 if first is None else first
         if options["output_fmt"] == "NCHW" and first is not None:
             take, _ = feature_take_indices(len(self.blocks), options["indices"])
             late = sorted(i for i in take if i >= first)

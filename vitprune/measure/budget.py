@@ -10,7 +10,7 @@ from torch import nn
 
 from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig
 from ..core.grid import input_size, num_patches
-from ..core.patching import check_model, check_model_overlap, check_options
+from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
 
 _BISECTION_STEPS = 60
@@ -35,6 +35,7 @@ def _check_target(target_gflops: Any) -> None:
 def _check_fit(model: nn.Module, config: PruneConfig, img_size: Optional[Sequence[int]]) -> None:
     """What ``patch`` would refuse, refused here too (before any counting)."""
     family = check_model(model)
+    settle_class_only(model, config, family)
     input_size(model, img_size)
     if config.overlap_stride is not None:
         check_model_overlap(model, family, config.overlap_stride)

@@ -79,10 +79,14 @@ def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> flo
         return count_flops(model, img_size) / 1e9
 
 
+#: What a setting's name says of ``build_settings``'s ``class_only_last``.
+_CLASS_ONLY_TEXT = {None: "", True: " class-only last", False: " full last"}
+
+
 def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), keep_rates: Sequence[float] = (),
                    budgets: Sequence[float] = (), stages: Optional[Sequence[Any]] = None,
                    reductions: Sequence[Optional[str]] = (None,), baseline: bool = False,
-                   img_size: Optional[Sequence[int]] = None, class_only_last: bool = False) -> List[Setting]:
+                   img_size: Optional[Sequence[int]] = None, class_only_last: Optional[bool] = None) -> List[Setting]:
     """The unpruned model, then every method at every keep rate and every FLOP budget.
 
     Args:
@@ -97,8 +101,9 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         baseline: Add token merging at every budget (and, at every keep rate, at the FLOPs
             the defaults have there).
         img_size: The input size the FLOPs are counted for.
-        class_only_last: Every method (not the baseline) with ``class_only_last=True``: the
-            class token alone in the last block, its saving spent by the budget fits.
+        class_only_last: ``None``: each method's own (the defaults: on where exact; the
+            paper's method: off). ``True`` or ``False``: every method (not the baseline)
+            with that ``class_only_last``; the budget fits spend its saving.
 
     Raises:
         TypeError, ValueError: A method, rate, budget or option ``patch`` would refuse; the
@@ -118,14 +123,14 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         base = {} if method == DEFAULT else dict(indicator=method, **PAPER_OPTIONS)
         for schedule in ([None] if stages is None else list(stages)):
             for reduction in reductions:
-                options = dict(base, class_only_last=True) if class_only_last else dict(base)
+                options = dict(base) if class_only_last is None else dict(base, class_only_last=class_only_last)
                 if schedule is not None:
                     options["stages"] = schedule
                 if reduction is not None:
                     options["reduction"] = reduction
                 suffix = "".join([f" stages {_stage_text(schedule)}" if schedule is not None else "",
                                   f" {reduction}" if reduction is not None else "",
-                                  " class-only last" if class_only_last else ""])
+                                  _CLASS_ONLY_TEXT[class_only_last]])
                 for rate in keep_rates:
                     settings.append(Setting(f"{method}{suffix} keep {rate:g}", method, rate, None,
                                             {**options, "keep_rate": rate}))
@@ -135,7 +140,8 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
                                             {**options, "keep_rate": rate}))
     if baseline:
         targets = [(f"{share:.0%} FLOPs", share, share * unpruned) for share in budgets]
-        targets += [(f"at default keep {rate:g}", None, gflops_of(patch(scratch, keep_rate=rate), img_size))
+        forced = {} if class_only_last is None else {"class_only_last": class_only_last}
+        targets += [(f"at default keep {rate:g}", None, gflops_of(patch(scratch, keep_rate=rate, **forced), img_size))
                     for rate in keep_rates]
         for text, share, gflops in targets:
             config = fit_merging(model, gflops, img_size) if gflops < unpruned else merging_config(model, 0, img_size)

@@ -15,6 +15,7 @@ Two independent counts that cross-check each other:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -211,17 +212,21 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
     conv, C, prefix = layout.conv, layout.width, layout.prefix
     kh, kw = conv.kernel_size
     depth = len(layout.blocks)
+    family = family_of(model)
+    class_only = family is not None and family.class_only(model) is None  # as ``forward`` decides
 
     def count(config: Optional[PruneConfig]) -> int:
         patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
         if config is not None:
+            config = config.settle_class_only(class_only, depth)
+            if config.class_only_last and not class_only:  # what forward runs on this model
+                config = dataclasses.replace(config, class_only_last=False)
             config = config.resolve(depth, patches)
         schedule = token_schedule(config, depth, prefix, patches)
         total = patches * C * conv.in_channels * kh * kw
-        class_only = config is not None and config.class_only_last
         for index, (cost, tokens) in enumerate(zip(layout.blocks, schedule)):
             L = tokens.attn
-            if class_only and index == depth - 1:
+            if config is not None and config.class_only_last and index == depth - 1:
                 total += _class_only_flops(cost, L, prefix, C)
                 continue
             total += L * cost.attention + 2 * L * L * C + tokens.mlp * cost.rest
