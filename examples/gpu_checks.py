@@ -69,8 +69,26 @@ def main() -> int:
                 only = vitprune.patch(model, keep_rate=0.7)(x)  # on by default for a class-token head
             print(f"{name}: class_only_last at keep 0.7, max abs difference from without it: "
                   f"{(only - reference).abs().max().item():.2e}")
+    ok &= checkpointing_check(device)
     ok &= transformers_checks(device)
     return 0 if ok else 1
+
+
+def checkpointing_check(device: torch.device) -> bool:
+    """Gradient checkpointing on CUDA, where autograd runs the backward (and so the blocks'
+    recomputation) on a thread of its own: the defaults' gradients with and without it."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = timm.create_model("deit_small_patch16_224").to(device).train()
+        vitprune.patch(model, keep_rate=0.7)
+        model.set_grad_checkpointing(checkpointing)
+        x = torch.randn(8, 3, 224, 224, device=device, generator=torch.Generator(device).manual_seed(1))
+        model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    error = max((a - b).abs().max().item() for a, b in zip(*grads))
+    print(f"deit_small defaults, gradient checkpointing on CUDA: max abs gradient difference {error:.2e}")
+    return error < 1e-3
 
 
 def transformers_checks(device: torch.device) -> bool:

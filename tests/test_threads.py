@@ -61,3 +61,31 @@ def test_threads_sharing_a_patched_model_get_their_own_results(name, options):
             torch.testing.assert_close(out_t, out, rtol=1e-5, atol=1e-6)
             assert len(kept_t) == len(kept) and all(torch.equal(a, b) for a, b in zip(kept_t, kept))
             assert len(groups_t) == len(groups) and all(torch.equal(a, b) for a, b in zip(groups_t, groups))
+
+
+@pytest.mark.parametrize("options", [dict(keep_rate=0.5), paper(indicator="var", keep_rate=0.5, stages=(1, 2))],
+                         ids=["defaults", "paper"])
+@pytest.mark.parametrize("name", ["DINOv2", "Eva02 (rope, SwiGLU, avg pool)", "BEiT (relative position bias)"])
+def test_gradient_checkpointing_with_the_backward_on_another_thread(name, options):
+    """Autograd runs the backward of CUDA tensors on a thread of its own, where gradient
+    checkpointing recomputes the blocks: they must read the forward's records (size bias,
+    kept positions, the class-token shortcut) there too, and give the gradients of the
+    same model without checkpointing."""
+    model = vitprune.patch(build(name), **options).train()
+    reference = vitprune.patch(build(name), **options).train()
+    model.set_grad_checkpointing(True)
+    x = images(model, batch=2)
+    reference(x).square().mean().backward()
+    loss, finished = model(x).square().mean(), []
+
+    def backward():
+        loss.backward()
+        finished.append(True)
+
+    worker = threading.Thread(target=backward)
+    worker.start()
+    worker.join()
+    assert finished  # the backward ran to the end on that thread (an error there is printed, not raised)
+    for (label, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=label)

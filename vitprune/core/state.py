@@ -17,6 +17,15 @@ from .merging import (bipartite_keep, bipartite_merge, bipartite_slots, key_metr
 from .tokens import is_compiling, is_exporting, keep_or_fuse, prune_tokens
 
 
+def in_backward() -> bool:
+    """Whether the calling thread is running the backward pass (a block recomputed by gradient
+    checkpointing). Never while compiling or exporting: those graphs recompute in-graph."""
+    if is_compiling() or is_exporting():
+        return False
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
+
+
 class Scored(NamedTuple):
     """What a pruning block hands to the reduction step.
 
@@ -110,7 +119,9 @@ class PruneState:
 
     The per-forward attributes (``positions``, ``sizes``, ``stage_sizes``) are per thread:
     several threads may run the same patched model at once, and each reads what its own
-    last forward kept.
+    last forward kept. A block recomputed in the backward pass (gradient checkpointing)
+    reads the last forward's records whichever thread it runs on: autograd runs the
+    backward of CUDA tensors on a thread of its own, which ran no forward.
 
     Attributes:
         config: The resolved config (explicit stages, one keep rate per stage).
@@ -140,10 +151,13 @@ class PruneState:
         self.row_source = row_source if self.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
         self._local = threading.local()
+        self._latest: Optional[ForwardRecords] = None  # the last forward's records, on any thread
+        self._latest_head_only = False  # and its head_only
 
     def __getstate__(self) -> Dict[str, Any]:  # pickle, deepcopy: thread records stay behind
         state = dict(self.__dict__)
         del state["_local"]
+        state["_latest"], state["_latest_head_only"] = None, False
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -152,7 +166,10 @@ class PruneState:
 
     @property
     def records(self) -> ForwardRecords:
-        """The calling thread's records of its last forward (empty before its first)."""
+        """The calling thread's records of its last forward (empty before its first); in the
+        backward pass, those of the last forward on any thread (see the class docs)."""
+        if self._latest is not None and in_backward():
+            return self._latest
         records = getattr(self._local, "records", None)
         if records is None:
             records = self._local.records = ForwardRecords()
@@ -176,11 +193,15 @@ class PruneState:
         prefix tokens alone (``class_only_last``): set by the model's ``forward``, cleared by a
         direct ``forward_features`` or ``forward_intermediates``. It stays set after the
         forward returns, so gradient checkpointing recomputes the same block."""
+        if in_backward():
+            return self._latest_head_only
         return getattr(self._local, "head_only", False)
 
     @head_only.setter
     def head_only(self, value: bool) -> None:
         self._local.head_only = value
+        if not is_compiling():
+            self._latest_head_only = value
 
     @property
     def in_forward(self) -> bool:
@@ -214,8 +235,10 @@ class PruneState:
             With ``size_aware``, once a stage has reduced: ``log(size)`` per token
             (:func:`~vitprune.core.merging.size_bias`); else ``None``.
         """
-        if stage == 0:  # a fresh object, not reads of the last forward's: no torch.compile guards on them
+        if stage == 0 and not in_backward():  # fresh, not reads of the last forward's: no torch.compile guards
             self._local.records = ForwardRecords()
+            if not is_compiling():
+                self._latest = self._local.records
         # worked out by the stage that reduced (in ``prune``, among its other small operations)
         bias = None if follow is None else self.records.stage_bias.get(follow)
         if bias is None:
