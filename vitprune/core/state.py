@@ -168,7 +168,7 @@ class PruneState:
     def records(self) -> ForwardRecords:
         """The calling thread's records of its last forward (empty before its first); in the
         backward pass, those of the last forward on any thread (see the class docs)."""
-        if self._latest is not None and in_backward():
+        if in_backward() and self._latest is not None:  # in_backward first: no compile guard on _latest
             return self._latest
         records = getattr(self._local, "records", None)
         if records is None:
