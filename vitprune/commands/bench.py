@@ -30,6 +30,7 @@ from ..core.grid import input_size
 from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
 from ..measure.baseline import fit_merging
+from ..measure.evaluate import CLASS_ONLY_SUFFIX, class_only_options
 from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
@@ -60,8 +61,7 @@ class Setting:
             return f"merging @ default keep {self.keep_rate:g}"
         where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
         overlap = "" if self.overlap_stride is None else f" ov{self.overlap_stride}"
-        last = {None: "", True: " class-only last", False: " full last"}[self.class_only_last]
-        return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}{last}"
+        return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}{CLASS_ONLY_SUFFIX[self.class_only_last]}"
 
     def config(self) -> Optional[PruneConfig]:
         """``indicator="default"``: vitprune's defaults (``stages`` default ``"spread"``);
@@ -71,7 +71,7 @@ class Setting:
             return None
         if self.indicator == MERGING:
             return self.fitted
-        forced = {} if self.class_only_last is None else {"class_only_last": self.class_only_last}
+        forced = class_only_options(self.class_only_last)
         if self.indicator == DEFAULT:
             return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
                                overlap_stride=self.overlap_stride, **forced)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> List[Row]:
     if args.img_size:
         model_kwargs["img_size"] = args.img_size
     stages = [None] if args.stages is None else [tuple(s) for s in args.stages]
-    forced = CLASS_ONLY[getattr(args, "class_only_last", "auto")]
+    forced = CLASS_ONLY[args.class_only_last]
     grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides], forced)
 
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
@@ -325,7 +325,7 @@ def validate(args: argparse.Namespace) -> Optional[str]:
     try:
         for combination in itertools.product(args.indicators, args.keep_rates, args.stages or [None],
                                              [None, *args.overlap_strides]):
-            Setting(*combination, class_only_last=CLASS_ONLY[getattr(args, "class_only_last", "auto")]).config()
+            Setting(*combination, class_only_last=CLASS_ONLY[args.class_only_last]).config()
     except (TypeError, ValueError) as error:
         return str(error)
     return None

@@ -60,14 +60,11 @@ def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
     return plan
 
 
-def settle_class_only(model: nn.Module, config: PruneConfig, family: Optional[Family] = None) -> PruneConfig:
-    """``config`` for ``model`` with ``class_only_last=None`` made definite (on where the
-    model's family allows it and no explicit stage is the last block, see
+def settle_class_only(model: nn.Module, config: PruneConfig, family: Family) -> PruneConfig:
+    """``config`` for ``model`` (of ``family``) with ``class_only_last=None`` made definite (on
+    where the family allows it and no explicit stage is the last block, see
     :meth:`PruneConfig.settle_class_only`); ``TypeError`` when it is ``True`` and the model
-    cannot take it. A model of no known family takes it off."""
-    family = family_of(model) if family is None else family
-    if family is None:
-        return config if config.class_only_last is not None else dataclasses.replace(config, class_only_last=False)
+    cannot take it."""
     reason = family.class_only(model)
     if config.class_only_last and reason is not None:
         raise TypeError(f"class_only_last=True cannot apply to this {family.model.__name__}: {reason}; "

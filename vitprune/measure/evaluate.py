@@ -79,8 +79,13 @@ def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> flo
         return count_flops(model, img_size) / 1e9
 
 
-#: What a setting's name says of ``build_settings``'s ``class_only_last``.
-_CLASS_ONLY_TEXT = {None: "", True: " class-only last", False: " full last"}
+#: What a setting's name says of a ``class_only_last`` forced on every method (``None``: nothing).
+CLASS_ONLY_SUFFIX = {None: "", True: " class-only last", False: " full last"}
+
+
+def class_only_options(class_only_last: Optional[bool]) -> Dict[str, bool]:
+    """The ``patch`` option that forces ``class_only_last`` (none for ``None``: each method's own)."""
+    return {} if class_only_last is None else {"class_only_last": class_only_last}
 
 
 def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), keep_rates: Sequence[float] = (),
@@ -123,14 +128,14 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         base = {} if method == DEFAULT else dict(indicator=method, **PAPER_OPTIONS)
         for schedule in ([None] if stages is None else list(stages)):
             for reduction in reductions:
-                options = dict(base) if class_only_last is None else dict(base, class_only_last=class_only_last)
+                options = dict(base, **class_only_options(class_only_last))
                 if schedule is not None:
                     options["stages"] = schedule
                 if reduction is not None:
                     options["reduction"] = reduction
                 suffix = "".join([f" stages {_stage_text(schedule)}" if schedule is not None else "",
                                   f" {reduction}" if reduction is not None else "",
-                                  _CLASS_ONLY_TEXT[class_only_last]])
+                                  CLASS_ONLY_SUFFIX[class_only_last]])
                 for rate in keep_rates:
                     settings.append(Setting(f"{method}{suffix} keep {rate:g}", method, rate, None,
                                             {**options, "keep_rate": rate}))
@@ -140,7 +145,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
                                             {**options, "keep_rate": rate}))
     if baseline:
         targets = [(f"{share:.0%} FLOPs", share, share * unpruned) for share in budgets]
-        forced = {} if class_only_last is None else {"class_only_last": class_only_last}
+        forced = class_only_options(class_only_last)
         targets += [(f"at default keep {rate:g}", None, gflops_of(patch(scratch, keep_rate=rate, **forced), img_size))
                     for rate in keep_rates]
         for text, share, gflops in targets:
