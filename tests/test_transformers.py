@@ -224,4 +224,7 @@ def test_output_attentions_records_every_layer_at_its_pruned_length(name):
     assert [tuple(a.shape) for a in outputs.attentions] == [(2, 4, prefix + n, prefix + n) for n in seen]
     for weights in outputs.attentions:
         torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
-    torch.testing.assert_close(main_output(outputs), main_output(plain), rtol=0, atol=0)
+    # A plain call of a ViT or DeiT classifier computes the last layer for the prefix alone
+    # (class_only_last): the same sums, blocked differently by the smaller products.
+    exact = dict(rtol=1e-5, atol=1e-6) if config.class_only_last else dict(rtol=0, atol=0)
+    torch.testing.assert_close(main_output(outputs), main_output(plain), **exact)

@@ -115,7 +115,8 @@ class PruneConfig:
             every patch token's output of that block is discarded by the head, so leaving it
             out changes no logit and saves most of that block's FLOPs (its keys and values are
             still computed). ``forward_features`` and ``forward_intermediates`` still compute
-            every token. The last block then never reduces: ``"spread"`` and ``"all"`` leave
+            every token; on ``transformers`` classifiers, so does a call that asks for hidden
+            states or attentions. The last block then never reduces: ``"spread"`` and ``"all"`` leave
             it out of their stages. ``None`` (the default): on wherever it is exact (``patch``
             asks the model's family) and the stages leave the last block alone, off
             elsewhere. ``True``: on, and refused where it cannot apply or where an explicit

@@ -12,10 +12,14 @@ With ``output_attentions`` a swapped layer also runs its own attention module on
 tokens with the size bias as its mask, so ``transformers`` records every layer's weights
 (of the pruned length; ``None``-free only where the implementation returns weights, as
 unpatched: ``attn_implementation="eager"``); that doubles the attention's cost while asked.
+The ViT and DeiT image classifiers, whose heads read the class (and distillation) token
+alone, take ``class_only_last``: in a call that asks for neither ``output_hidden_states``
+nor ``output_attentions``, the last layer computes the prefix tokens alone.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -37,7 +41,7 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassi
 
 from ..core.grid import vision_config
 from ..core.registry import REFUSED, Family, no_extras, register
-from ..core.state import Scored
+from ..core.state import Scored, in_backward
 from .attention import attend, member, split_heads
 from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
@@ -59,12 +63,14 @@ def _num_heads(attn: nn.Module) -> int:
     return member(attn, "num_attention_heads") or attn.num_heads
 
 
-def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
-                          bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
+def _attend(attn: nn.Module, queries: torch.Tensor, x: torch.Tensor, num_prefix: int, source: str,
+            bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
     """A ``transformers`` attention module (``q_proj``/``k_proj``/``v_proj`` and ``o_proj`` or
-    ``out_proj``) through vitprune's path, and what the reduction step needs."""
+    ``out_proj``) through vitprune's path, with queries from ``queries`` and keys and values
+    from ``x``, and what the reduction step needs."""
     heads = _num_heads(attn)
-    q, k, v = (split_heads(proj(x), heads).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    q = split_heads(attn.q_proj(queries), heads).transpose(1, 2)
+    k, v = (split_heads(proj(x), heads).transpose(1, 2) for proj in (attn.k_proj, attn.v_proj))
     scale = member(attn, "scaling") or attn.scale
     p = member(attn, "attention_dropout")
     p = attn.dropout if p is None else p
@@ -74,6 +80,21 @@ def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, sou
     out = out.transpose(1, 2).flatten(2)
     project = member(attn, "o_proj") or attn.out_proj
     return project(out), scored
+
+
+def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
+                          bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
+    """A ``transformers`` attention module through vitprune's path (see :func:`_attend`)."""
+    return _attend(attn, x, x, num_prefix, source, bias)
+
+
+def hf_prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``hf_attention_with_row(attn, x, ...)[0][:, :num_prefix]`` without the other tokens'
+    queries (``class_only_last``): keys and values from every token."""
+    if bias is not None and bias.shape[-2] != 1:
+        bias = bias[..., :num_prefix, :]
+    return _attend(attn, x[:, :num_prefix], x, num_prefix, "none", bias)[0]
 
 
 #: Per layer class: (first norm, attention, layer scale 1, dropout, second norm, MLP, layer scale 2).
@@ -104,6 +125,11 @@ class _HFLayer(PruningBlock):
         norm1, attention, scale1, drop, norm2, mlp, scale2 = self._vitprune_names
         state, x = self.vitprune_state, hidden_states
         bias = self._vitprune_begin(x)
+        if self.vitprune_class_only and self._vitprune_head_only():
+            P = state.num_prefix
+            out = hf_prefix_attention(getattr(self, attention), getattr(self, norm1)(x), P, bias)
+            x = x[:, :P] + self._vitprune_branch(out, scale1, drop)
+            return x + self._vitprune_branch(getattr(self, mlp)(getattr(self, norm2)(x)), scale2, drop)
         normed = getattr(self, norm1)(x)
         out, scored = hf_attention_with_row(getattr(self, attention), normed, state.num_prefix, state.row_source, bias)
         if kwargs.get("output_attentions"):
@@ -112,6 +138,15 @@ class _HFLayer(PruningBlock):
             getattr(self, attention)(normed, attention_mask=bias)
         x = self._vitprune_reduce(x + self._vitprune_branch(out, scale1, drop), scored)
         return x + self._vitprune_branch(getattr(self, mlp)(getattr(self, norm2)(x)), scale2, drop)
+
+    def _vitprune_head_only(self) -> bool:
+        """Whether this (last) layer computes the prefix tokens alone: only inside the
+        classifier's ``forward`` (:class:`_ClassTokenClassifier`), or when recomputing that
+        call's layer in the backward pass; a direct call of the backbone runs every token."""
+        state = self.vitprune_state
+        if not state.in_forward and not in_backward():
+            state.head_only = False
+        return state.head_only
 
     def _vitprune_branch(self, out: torch.Tensor, scale: Optional[str], drop: Optional[str]) -> torch.Tensor:
         if scale is not None:
@@ -196,13 +231,66 @@ def _prefix(extra: int = 0):
 
 
 def _model_class(original: type, body: Optional[type] = None) -> type:
-    """The class a patched model has: its own, unless it pools patch tokens itself (DINOv2's
-    classifier below). Keeping the class matters: ``transformers`` finds what it may record
-    for ``output_hidden_states`` by the model's class name."""
+    """The class a patched model has: its own, unless the patch changes its ``forward``
+    (the classifiers below: DINOv2's pooling, ViT's and DeiT's ``class_only_last``). Keeping
+    the class matters where the model records its layers' outputs itself (the backbones):
+    ``transformers`` finds what it may record for ``output_hidden_states`` by the model's
+    class name. The classifiers leave that to their backbone, and keep the original's name
+    (``save_pretrained`` writes it as the checkpoint's architecture) under a qualified name
+    of their own (``PruneViTForImageClassification``: what pickle finds in this module).
+    Their ``forward`` shows the original's signature: ``Trainer`` reads it to keep the
+    dataset's columns the model takes."""
     if body is None:
         return original
-    return type(f"Prune{original.__name__}", (body, original),
-                {"__module__": __name__, "__doc__": f"transformers ``{original.__name__}`` while patched."})
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return body.forward(self, *args, **kwargs)
+
+    patched = type(original.__name__, (body, original),
+                   {"__module__": __name__, "__doc__": f"transformers ``{original.__name__}`` while patched.",
+                    "forward": functools.update_wrapper(forward, original.forward)})
+    patched.__qualname__ = f"Prune{original.__name__}"
+    return patched
+
+
+#: Classifiers whose head reads the prefix tokens alone (the class token; DeiT's also the
+#: distillation token) of the last layer's output.
+_CLASS_TOKEN_CLASSIFIERS = (ViTForImageClassification, DeiTForImageClassification,
+                            DeiTForImageClassificationWithTeacher)
+
+
+def _class_only_reason(model: nn.Module) -> Optional[str]:
+    """Why ``class_only_last`` cannot apply to this ``transformers`` model, or ``None``."""
+    if isinstance(model, _CLASS_TOKEN_CLASSIFIERS):
+        return None
+    if isinstance(model, (Dinov2ForImageClassification, Dinov2WithRegistersForImageClassification)):
+        return "its classifier reads the mean of the last layer's patch tokens too"
+    return (f"a {type(model).__name__} returns every token of its last layer; only the ViT and DeiT "
+            "image classifiers read the class token alone")
+
+
+def _asks(model: nn.Module, kwargs: Dict[str, Any], name: str) -> bool:
+    """Whether a call asks for ``output_<name>`` (in its arguments, else the model's config)."""
+    value = kwargs.get(f"output_{name}")
+    if value is None:
+        value = getattr(model.config, f"output_{name}", False)
+    return value is not None and value is not False
+
+
+class _ClassTokenClassifier:
+    """A ViT or DeiT classifier while patched: with ``class_only_last`` its last layer computes
+    the prefix tokens alone, all its head reads, unless the call asks for the hidden states
+    or attentions (then every layer runs whole, and ``transformers`` records every token)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.vitprune_state
+        state.head_only = bool(state.config.class_only_last) and not (
+            _asks(self, kwargs, "hidden_states") or _asks(self, kwargs, "attentions"))
+        state.in_forward = True
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            state.in_forward = False
 
 
 class _Dinov2Classifier:
@@ -233,9 +321,9 @@ REFUSED.update({
 })
 
 _MODELS = [
-    (ViTModel, None, _prefix()), (ViTForImageClassification, None, _prefix()),
-    (DeiTModel, None, _prefix(1)), (DeiTForImageClassification, None, _prefix(1)),
-    (DeiTForImageClassificationWithTeacher, None, _prefix(1)),
+    (ViTModel, None, _prefix()), (ViTForImageClassification, _ClassTokenClassifier, _prefix()),
+    (DeiTModel, None, _prefix(1)), (DeiTForImageClassification, _ClassTokenClassifier, _prefix(1)),
+    (DeiTForImageClassificationWithTeacher, _ClassTokenClassifier, _prefix(1)),
     (Dinov2Model, None, _prefix()), (Dinov2ForImageClassification, _Dinov2Classifier, _prefix()),
     (Dinov2WithRegistersModel, None, _prefix()),
     (Dinov2WithRegistersForImageClassification, _Dinov2Classifier, _prefix()),
@@ -251,12 +339,12 @@ PATCHED = {}
 for _original, _body, _prefix_of in _MODELS:
     PATCHED[_original] = _model_class(_original, _body)
     if _body is not None:
-        globals()[PATCHED[_original].__name__] = PATCHED[_original]  # importable by name: pickle finds it
+        globals()[PATCHED[_original].__qualname__] = PATCHED[_original]  # importable by name: pickle finds it
     siglip = _original is SiglipVisionModel
     register(Family(
         model=_original, patched=PATCHED[_original],
         blocks={**_LAYERS, SiglipMultiheadAttentionPoolingHead: PruneSiglipMultiheadAttentionPoolingHead},
         attention=_ATTENTION, follows=True, attention_modules=_attention, heads=_heads, blocks_of=_layers,
         prefix_of=_prefix_of, class_token_of=(lambda model: False) if siglip else (lambda model: True),
-        check=_check, extras=_siglip_head if siglip else no_extras, library="transformers",
+        check=_check, extras=_siglip_head if siglip else no_extras, library="transformers", class_only=_class_only_reason,
         examples="ViT, DeiT, DINOv2, CLIP and SigLIP vision in transformers"))

@@ -82,13 +82,27 @@ def _linear_flops(modules: Iterable[nn.Module]) -> int:
 class _BlockCost(NamedTuple):
     """One block's products per token: its attention modules' Linear layers (at the tokens
     the attention sees), its other Linear layers (the MLP, at the tokens after the
-    reduction), the heads of its scored attention, and of ``attention`` its fused ``qkv``
-    projection's (0 where it has none)."""
+    reduction), the heads of its scored attention, and of ``attention`` the key and value
+    projections' (two thirds of a fused ``qkv``, or ``k_proj`` and ``v_proj``; 0 where it
+    has neither)."""
 
     attention: int
     rest: int
     heads: int
-    qkv: int = 0
+    keys_values: int = 0
+
+
+def _key_value_flops(attention: Sequence[nn.Module]) -> int:
+    """Per token, the key and value projections of a block's one attention module (0 for
+    several, or for projections of another shape)."""
+    if len(attention) != 1:
+        return 0
+    module = attention[0]
+    qkv = getattr(module, "qkv", None)
+    if isinstance(qkv, nn.Linear):
+        return _linear_flops([qkv]) * 2 // 3
+    projections = [getattr(module, name, None) for name in ("k_proj", "v_proj")]
+    return _linear_flops(projections) if all(isinstance(p, nn.Linear) for p in projections) else 0
 
 
 def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module], Sequence[nn.Module]],
@@ -98,9 +112,8 @@ def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module]
         attention = attention_of(block)
         inside = {id(m) for module in attention for m in module.modules()}
         rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
-        qkv = getattr(attention[0], "qkv", None) if len(attention) == 1 else None
         costs.append(_BlockCost(_linear_flops(attention), _linear_flops(rest), heads_of(block),
-                                _linear_flops([qkv]) if isinstance(qkv, nn.Linear) else 0))
+                                _key_value_flops(attention)))
     return tuple(costs)
 
 
@@ -240,8 +253,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
 def _class_only_flops(cost: _BlockCost, L: int, prefix: int, C: int) -> int:
     """A block that computes the ``prefix`` tokens' outputs only (``class_only_last``): keys
     and values of all ``L`` tokens, the rest of the attention and the MLP for the prefix."""
-    keys_values = cost.qkv * 2 // 3
-    return L * keys_values + prefix * (cost.attention - keys_values) + 2 * prefix * L * C + prefix * cost.rest
+    return L * cost.keys_values + prefix * (cost.attention - cost.keys_values) + 2 * prefix * L * C + prefix * cost.rest
 
 
 def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
