@@ -1,7 +1,9 @@
 """Speed of vitprune's defaults at keep 0.7 on Hugging Face ``transformers`` ViTs (random
 weights, base size, 224 x 224), against the unpruned model in the same run (interleaved,
 median), one row per class, beside the ideal ratio from the analytic FLOP counts; the
-README's transformers rows.
+README's transformers rows. Where the defaults compute the class token alone in the last layer
+(``class_only_last``: the ViT and DeiT classifiers), the same patch without it is timed in the
+same rounds too.
 
     python examples/transformers_speed.py --batch 8 --rounds 11
 """
@@ -32,26 +34,33 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--keep-rate", type=float, default=0.7)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     args = parser.parse_args()
     x = torch.randn(args.batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     print(f"transformers {T.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"batch {args.batch}, keep {args.keep_rate}, median of {args.rounds} interleaved rounds")
-    for name, make in MODELS.items():
+    for name in args.models:
+        make = MODELS[name]
         torch.manual_seed(0)
         model = make().eval()
         pruned = vitprune.patch(copy.deepcopy(model), keep_rate=args.keep_rate)
+        models = {"unpruned": model, "pruned": pruned}
+        if vitprune.get_config(pruned).class_only_last:  # also timed without it, in the same rounds
+            models["whole last layer"] = vitprune.patch(copy.deepcopy(model), keep_rate=args.keep_rate,
+                                                        class_only_last=False)
 
         def step(m):
             def run():
                 with torch.inference_mode():
                     m(x)
             return run
-        seconds = time_interleaved({"unpruned": step(model), "pruned": step(pruned)}, args.rounds, warmup=2,
+        seconds = time_interleaved({key: step(m) for key, m in models.items()}, args.rounds, warmup=2,
                                    sync=lambda: None, progress=False)
-        speedup = seconds["unpruned"] / seconds["pruned"]
-        ideal = vitprune.analytic_flops(model) / vitprune.analytic_flops(pruned)
-        print(f"{name:<40} speedup {speedup:.2f}x  FLOP ratio {ideal:.2f}x  ({speedup / ideal:.0%} of it)")
-
+        for key, label in (("pruned", name), ("whole last layer", "  with class_only_last=False")):
+            if key in models:
+                speedup = seconds["unpruned"] / seconds[key]
+                ideal = vitprune.analytic_flops(model) / vitprune.analytic_flops(models[key])
+                print(f"{label:<40} speedup {speedup:.2f}x  FLOP ratio {ideal:.2f}x  ({speedup / ideal:.0%} of it)")
 
 if __name__ == "__main__":
     main()
