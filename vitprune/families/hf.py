@@ -346,5 +346,6 @@ for _original, _body, _prefix_of in _MODELS:
         blocks={**_LAYERS, SiglipMultiheadAttentionPoolingHead: PruneSiglipMultiheadAttentionPoolingHead},
         attention=_ATTENTION, follows=True, attention_modules=_attention, heads=_heads, blocks_of=_layers,
         prefix_of=_prefix_of, class_token_of=(lambda model: False) if siglip else (lambda model: True),
-        check=_check, extras=_siglip_head if siglip else no_extras, library="transformers", class_only=_class_only_reason,
+        check=_check, extras=_siglip_head if siglip else no_extras, library="transformers",
+        class_only=_class_only_reason,
         examples="ViT, DeiT, DINOv2, CLIP and SigLIP vision in transformers"))
