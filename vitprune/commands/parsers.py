@@ -51,7 +51,8 @@ CLASS_ONLY = {"auto": None, "on": True, "off": False}
 def add_class_only(group, spent: str) -> None:
     """``--class-only-last [auto|on|off]`` (the flag alone: ``on``), parsed to ``None``/``True``/``False``."""
     group.add_argument("--class-only-last", nargs="?", const="on", default="auto", choices=tuple(CLASS_ONLY),
-                       help="the class token alone through the last block (token-pooled timm ViTs): 'auto' "
+                       help="the class token alone through the last block (token-pooled timm ViTs; transformers' "
+                            "ViT and DeiT classifiers): 'auto' "
                             "(default) each method's own (the defaults: on where exact; the paper's method and "
                             f"token merging: off); 'on' or 'off' for every method but token merging; the {spent}")
 

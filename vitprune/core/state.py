@@ -213,6 +213,17 @@ class PruneState:
     def in_forward(self, value: bool) -> None:
         self._local.in_forward = value
 
+    def run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``forward(*args, **kwargs)``, the model's own ``forward``, with :attr:`head_only` set
+        for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
+        wraps around its class's)."""
+        self.head_only = head_only
+        self.in_forward = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.in_forward = False
+
     def scores(self, row: torch.Tensor) -> torch.Tensor:
         """``(B, N)`` float32 scores from the class attention row ``(B, H, N)`` (``"var"``
         when the config names no indicator)."""

@@ -239,6 +239,14 @@ def parallel_scaling_with_row(
     return x + block.drop_path(block.ls(y)), row
 
 
+def prefix_rows(bias: Optional[torch.Tensor], num_prefix: int) -> Optional[torch.Tensor]:
+    """An attention bias ``(..., L or 1, L)`` for the queries of the first ``num_prefix``
+    tokens alone (a bias shared by every query row is kept as it is)."""
+    if bias is not None and bias.shape[-2] != 1:
+        bias = bias[..., :num_prefix, :]
+    return bias
+
+
 def prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``attn(x)[:, :num_prefix]`` for timm's ``Attention``, without the other tokens' queries.
@@ -267,10 +275,8 @@ def prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
     q = split_heads(q, heads).transpose(1, 2)
     k, v = kv.reshape(B, L, 2, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
     q, k = attn.q_norm(q), attn.k_norm(k)
-    if bias is not None and bias.shape[-2] != 1:
-        bias = bias[..., :P, :]
     out, _ = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
-                    num_prefix=P, source="none", bias=bias)
+                    num_prefix=P, source="none", bias=prefix_rows(bias, P))
     out = out.transpose(1, 2).reshape(B, P, width)
     norm = member(attn, "norm")
     if norm is not None:

@@ -42,7 +42,7 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassi
 from ..core.grid import vision_config
 from ..core.registry import REFUSED, Family, no_extras, register
 from ..core.state import Scored, in_backward
-from .attention import attend, member, split_heads
+from .attention import attend, member, prefix_rows, split_heads
 from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
 from .pooling import size_weighted_mean
@@ -92,9 +92,7 @@ def hf_prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``hf_attention_with_row(attn, x, ...)[0][:, :num_prefix]`` without the other tokens'
     queries (``class_only_last``): keys and values from every token."""
-    if bias is not None and bias.shape[-2] != 1:
-        bias = bias[..., :num_prefix, :]
-    return _attend(attn, x[:, :num_prefix], x, num_prefix, "none", bias)[0]
+    return _attend(attn, x[:, :num_prefix], x, num_prefix, "none", prefix_rows(bias, num_prefix))[0]
 
 
 #: Per layer class: (first norm, attention, layer scale 1, dropout, second norm, MLP, layer scale 2).
@@ -284,13 +282,9 @@ class _ClassTokenClassifier:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self.vitprune_state
-        state.head_only = bool(state.config.class_only_last) and not (
+        head_only = bool(state.config.class_only_last) and not (
             _asks(self, kwargs, "hidden_states") or _asks(self, kwargs, "attentions"))
-        state.in_forward = True
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            state.in_forward = False
+        return state.run_forward(head_only, super().forward, *args, **kwargs)
 
 
 class _Dinov2Classifier:

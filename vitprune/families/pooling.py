@@ -89,12 +89,8 @@ class PrunedModel:
         tokens alone while the head reads the class token alone (checked at every call: a
         model whose pooling changed since ``patch`` runs the whole block, exactly)."""
         state = self.vitprune_state
-        state.head_only = bool(state.config.class_only_last) and family_of(self).class_only(self) is None
-        state.in_forward = True
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            state.in_forward = False
+        head_only = bool(state.config.class_only_last) and family_of(self).class_only(self) is None
+        return state.run_forward(head_only, super().forward, *args, **kwargs)
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         state = self.vitprune_state
