@@ -24,6 +24,7 @@ import torch
 
 import vitprune
 from vitprune.core.config import PAPER_OPTIONS
+from vitprune.core.registry import family_of
 from vitprune.data import datasets
 from vitprune.data import shipped as demo_models
 
@@ -76,7 +77,7 @@ def main() -> int:
                 print(f"{name}: class_only_last at keep 0.7, max abs difference from without it: "
                       f"{(only - reference).abs().max().item():.2e}")
             else:
-                print(f"{name}: class_only_last is off by default here (its last block is not one it takes)")
+                print(f"{name}: class_only_last is off by default here: {family_of(model).class_only(model)}")
     ok &= checkpointing_check(device)
     ok &= transformers_checks(device)
     return 0 if ok else 1

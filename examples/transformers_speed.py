@@ -62,5 +62,6 @@ def main() -> None:
                 ideal = vitprune.analytic_flops(model) / vitprune.analytic_flops(models[key])
                 print(f"{label:<40} speedup {speedup:.2f}x  FLOP ratio {ideal:.2f}x  ({speedup / ideal:.0%} of it)")
 
+
 if __name__ == "__main__":
     main()
