@@ -4,14 +4,14 @@ it (and of the unpatched model when nothing is reduced), ``forward_features`` mu
 every token, the FLOPs must be what the formula says, and the default (``None``) must turn it
 on exactly where it applies."""
 
-import threading
-
 import copy
+import threading
 
 import pytest
 import timm
 import torch
-from timm.models.vision_transformer import ResPostBlock
+from timm.layers import Attention
+from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock
 from torch.testing import assert_close
 
 import vitprune
@@ -133,6 +133,35 @@ def test_models_whose_head_reads_more_are_refused_untouched(model):
     before = snapshot(model)
     with pytest.raises(TypeError, match="class_only_last=True cannot apply"):
         vitprune.patch(model, class_only_last=True)
+    assert_same(before, snapshot(model))
+
+
+class _SubclassedAttention(Attention):
+    """timm's Attention under another name: class_only_last computes timm's own attention
+    itself, so it takes the exact class only."""
+
+
+def _with_last_attention(attn_class):
+    model = build("class token")
+    last = model.blocks[-1].attn
+    replaced = attn_class(last.qkv.in_features, num_heads=last.num_heads, qkv_bias=True)
+    replaced.load_state_dict(last.state_dict())
+    model.blocks[-1].attn = replaced.eval()
+    return model
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: build("class token", block_fn=ParallelScalingBlock),
+     "the last block must be a timm Block or ResPostBlock, but it is a ParallelScalingBlock"),
+    (lambda: _with_last_attention(_SubclassedAttention),
+     "the last block's attention must be timm's Attention with a fused qkv Linear, but it has a _SubclassedAttention"),
+], ids=["ParallelScalingBlock", "another attention class"])
+def test_a_last_block_it_cannot_take_is_named_in_the_refusal(make, reason):
+    model = make()
+    before = snapshot(model)
+    with pytest.raises(TypeError, match="class_only_last=True cannot apply") as caught:
+        vitprune.patch(model, class_only_last=True)
+    assert reason in str(caught.value)
     assert_same(before, snapshot(model))
 
 

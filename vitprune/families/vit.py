@@ -94,10 +94,11 @@ def class_only_reason(model: torch.nn.Module) -> Optional[str]:
                 f"with global_pool={model.global_pool!r}, which reads every token of the last block")
     last = model.blocks[-1]
     kind, attn = original_block_class(last), getattr(last, "attn", None)
-    if kind not in (Block, ResPostBlock) or type(attn) is not Attention \
-            or not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
-        return (f"the last block must be a timm Block or ResPostBlock with timm's Attention (a fused qkv), "
-                f"not a {kind.__name__} with {type(attn).__name__}")
+    if kind not in (Block, ResPostBlock):
+        return f"the last block must be a timm Block or ResPostBlock, but it is a {kind.__name__}"
+    if type(attn) is not Attention or not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
+        found = "no attention module" if attn is None else f"a {type(attn).__name__}"
+        return f"the last block's attention must be timm's Attention with a fused qkv Linear, but it has {found}"
     return None
 
 
