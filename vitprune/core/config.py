@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from types import MappingProxyType
-from typing import Any, Literal, Mapping, Optional, Tuple, Union, get_args
+from typing import Any, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -15,6 +15,9 @@ Selection = Literal["top", "redundant", "bipartite"]
 SELECTIONS: Tuple[str, ...] = get_args(Selection)
 Reduction = Literal["merge", "fuse", "drop"]
 REDUCTIONS: Tuple[str, ...] = get_args(Reduction)
+#: What ``stages`` accepts: block indices (any sequence; stored as a tuple), ``"spread"``,
+#: ``"all"``, or ``None`` (the paper's stages).
+Stages = Union[Sequence[int], Literal["spread", "all"], None]
 
 #: The defaults, chosen by the experiments in docs/merging.md (see docs/method.md §9).
 DEFAULT_SELECTION = "bipartite"
@@ -132,8 +135,8 @@ class PruneConfig:
     """
 
     indicator: Optional[Indicator] = None
-    keep_rate: Union[float, Tuple[float, ...]] = 0.7
-    stages: Optional[Union[Tuple[int, ...], Literal["spread", "all"]]] = SPREAD
+    keep_rate: Union[float, Sequence[float]] = 0.7  # a sequence is stored as a tuple
+    stages: Stages = SPREAD
     T: float = 1.0
     fuse: Optional[bool] = None
     seed: Optional[int] = None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
-from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection
+from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection, Stages
 from .overlap import apply_overlap, check_overlap, remove_overlap
 from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, is_patched_model, is_pruning_block,
                        original_block_class, original_model_class)
@@ -22,7 +22,7 @@ _OPTIONS = tuple(f.name for f in dataclasses.fields(PruneConfig))
 HEAD_SPREAD_INDICATORS = ("var", "medad", "lowvar")
 
 
-def supported_models() -> tuple:
+def supported_models() -> "tuple[type, ...]":
     """The model classes ``patch`` accepts (exact type match), from the family registry."""
     return tuple(family.model for family in families())
 
@@ -170,7 +170,7 @@ def patch(
         *,
         indicator: Optional[Indicator] = DEFAULT,
         keep_rate: Union[float, Sequence[float]] = DEFAULT,
-        stages: Union[Sequence[int], str, None] = DEFAULT,
+        stages: Stages = DEFAULT,
         T: float = DEFAULT,
         selection: Optional[Selection] = DEFAULT,
         reduction: Optional[Reduction] = DEFAULT,

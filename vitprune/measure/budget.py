@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from torch import nn
 
-from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig
+from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig, Stages
 from ..core.grid import input_size, num_patches
 from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
@@ -17,7 +17,7 @@ _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
 
 
-def _config(rate: float, stages: Optional[Sequence[int]], fuse: Optional[bool], stride: Optional[int],
+def _config(rate: float, stages: Stages, fuse: Optional[bool], stride: Optional[int],
             options: Dict[str, Any]) -> PruneConfig:
     if stages is not None and stages not in (ALL_BLOCKS, SPREAD):
         stages = tuple(stages)
@@ -45,7 +45,7 @@ def fit_keep_rate(
         model: nn.Module,
         target_gflops: float,
         *,
-        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        stages: Stages = SPREAD,
         fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
         overlap_stride: Optional[int] = None,
@@ -125,7 +125,7 @@ def overlap_options(
         model: nn.Module,
         target_gflops: Optional[float] = None,
         *,
-        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        stages: Stages = SPREAD,
         fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
         **options: Any,
@@ -160,7 +160,7 @@ def fit_overlap(
         target_gflops: Optional[float] = None,
         *,
         min_keep_rate: float = 0.5,
-        stages: Optional[Union[Sequence[int], str]] = SPREAD,
+        stages: Stages = SPREAD,
         fuse: Optional[bool] = None,
         img_size: Optional[Sequence[int]] = None,
         **options: Any,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, Tuple, get_args
 
 #: What ``visualize`` draws per stage: the kept patches, or the groups each token holds
 #: (here, not in ``visualize``, so the command line reads it without importing torch).
-SHOW = ("kept", "groups")
+Show = Literal["kept", "groups"]
+SHOW: Tuple[str, ...] = get_args(Show)
 
 
 def pyplot(files_only: bool = False) -> Any:

@@ -3,14 +3,17 @@ clear, or every group of patches merged into one token in its mean colour."""
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from . import SHOW, pyplot
+from . import SHOW, Show, pyplot
 from ..core.grid import patch_conv
 from ..core.patching import get_config, kept_positions, state_of, token_groups
+
+if TYPE_CHECKING:  # matplotlib is an optional extra, imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 
 def _check_stages(model: nn.Module) -> None:
@@ -173,7 +176,7 @@ def _as_batch(images: torch.Tensor, name: str) -> torch.Tensor:
 
 def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Tensor] = None, *,
               titles: Optional[List[str]] = None, dim: float = 0.25, panel_inches: float = 2.2,
-              show: str = "kept"):
+              show: Show = "kept") -> "Figure":
     """Run ``images`` through a patched model and draw what each stage keeps.
 
     Args:
