@@ -24,7 +24,7 @@ _EXPORTS = {
     "PruneConfig": "core.config", "default_stages": "core.config", "keep_count": "core.config",
     "get_config": "core.patching", "is_patched": "core.patching", "kept_positions": "core.patching",
     "patch": "core.patching", "unpatch": "core.patching", "supported_models": "core.patching",
-    "token_groups": "core.patching",
+    "token_groups": "core.patching", "unmerge": "core.unmerge",
     "fit_merging": "measure.baseline", "merging_config": "measure.baseline",
     "OverlapOption": "measure.budget", "fit_keep_rate": "measure.budget", "fit_overlap": "measure.budget",
     "overlap_options": "measure.budget",
@@ -37,12 +37,13 @@ __all__ = [
     "INDICATORS", "OverlapOption", "PruneConfig", "REDUCTIONS", "SELECTIONS", "SUPPORTED_MODELS",
     "analytic_flops", "build_settings", "count_flops", "default_stages", "evaluate", "fit_keep_rate", "fit_merging", "fit_overlap",
     "get_config", "is_patched", "keep_count", "kept_masks", "kept_positions", "merging_config",
-    "overlap_options", "patch", "supported_models", "token_groups", "unpatch", "visualize",
+    "overlap_options", "patch", "supported_models", "token_groups", "unmerge", "unpatch", "visualize",
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from .core.config import INDICATORS, REDUCTIONS, SELECTIONS, PruneConfig, default_stages, keep_count
     from .core.patching import get_config, is_patched, kept_positions, patch, supported_models, token_groups, unpatch
+    from .core.unmerge import unmerge
     from .measure.baseline import fit_merging, merging_config
     from .measure.budget import OverlapOption, fit_keep_rate, fit_overlap, overlap_options
     from .measure.evaluate import build_settings, evaluate

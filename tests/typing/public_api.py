@@ -56,6 +56,7 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     merging = vitprune.merging_config(model, [8, 8, 4])
 
     masks: torch.Tensor = vitprune.kept_masks(model, (224, 224))
+    dense: torch.Tensor = vitprune.unmerge(model, images) + vitprune.unmerge(model, images, block=-1)
     figure = vitprune.visualize(model, images, show="groups")
     figure.savefig("kept.png")
     settings = vitprune.build_settings(model, methods=("default", "var"), keep_rates=(0.7,), budgets=(3.0,))
@@ -64,7 +65,7 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     names: Tuple[str, ...] = vitprune.INDICATORS + vitprune.SELECTIONS + vitprune.REDUCTIONS
     classes: Tuple[type, ...] = vitprune.SUPPORTED_MODELS + vitprune.supported_models()
     print(patched, indicator, first_stage, kept, positions, groups, is_patched, restored, rate, options, flops,
-          merging, masks, rows, names, classes)
+          merging, masks, dense, rows, names, classes)
 
 
 def misuses(model: nn.Module, images: torch.Tensor) -> None:
@@ -79,5 +80,6 @@ def misuses(model: nn.Module, images: torch.Tensor) -> None:
     vitprune.fit_keep_rate(model, "3")  # type: ignore[arg-type]
     vitprune.fit_keep_rate(model, 3.0, stages="every")  # type: ignore[arg-type]
     vitprune.visualize(model, images, show="both")  # type: ignore[arg-type]
+    vitprune.unmerge(model, images, block="last")  # type: ignore[arg-type]
     rate: str = vitprune.fit_keep_rate(model, 3.0)  # type: ignore[assignment]
     print(rate)

@@ -132,7 +132,8 @@ class PrunedModel:
                 raise ValueError(
                     f"vitprune: blocks {late} run after pruning starts at block {first}, so their "
                     "tokens are no longer a full grid and cannot be returned as NCHW; pass "
-                    f"output_fmt='NLC', take only blocks before {first}, or unpatch the model"
+                    "output_fmt='NLC' (vitprune.unmerge(model, tokens, block) spreads them back over the "
+                    f"grid), take only blocks before {first}, or unpatch the model"
                 )
         out = super().forward_intermediates(*args, **kwargs)
         if isinstance(out, tuple):
