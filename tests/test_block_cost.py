@@ -1,0 +1,30 @@
+"""The block-cost benchmark (examples/block_cost.py): its fit of ``a + b N`` and its repeat count."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import block_cost  # noqa: E402
+
+
+def test_the_fit_recovers_a_fixed_and_a_per_token_cost_by_hand():
+    tokens = [40, 99, 138, 197]
+    seconds = [0.002 + 3e-5 * n for n in tokens]  # 2 ms fixed, 30 us per token
+    a, b = block_cost.fit(tokens, seconds)
+    assert a == pytest.approx(0.002, rel=1e-9) and b == pytest.approx(3e-5, rel=1e-9)
+    assert block_cost.predicted([a, b], 197) == pytest.approx(0.002 + 197 * 3e-5, rel=1e-9)
+
+
+def test_the_fit_is_least_squares_for_noisy_times():
+    # t = 1 + N exactly at N = 0 and 2, one point 1 too high at N = 1: the line moves by a third
+    a, b = block_cost.fit([0, 1, 2], [1.0, 3.0, 3.0])
+    assert (a, b) == (pytest.approx(4 / 3), pytest.approx(1.0))
+
+
+def test_short_calls_are_repeated_to_last_about_the_asked_time():
+    calls = []
+    assert block_cost.repeat_for(lambda: calls.append(1), 0.0) == 1  # at least once
+    assert block_cost.repeat_for(lambda: None, 1e-3) > 1
