@@ -27,7 +27,7 @@ import argparse
 import json
 import platform
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, List, Sequence
 
 import timm
 import torch
