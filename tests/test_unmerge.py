@@ -84,8 +84,8 @@ def test_intermediates_unmerge_by_the_block_they_came_from():
 
 
 @pytest.mark.parametrize("call, error, match", [
-    (lambda m, t: vitprune.unmerge(m, t, block=12), ValueError, r"block must be an int in \[-12, 11\]"),
-    (lambda m, t: vitprune.unmerge(m, t, block=True), ValueError, "block must be an int"),
+    (lambda m, t: vitprune.unmerge(m, t, block=12), ValueError, r"block must be in \[-12, 11\]"),
+    (lambda m, t: vitprune.unmerge(m, t, block=True), TypeError, "block must be an int or None, got bool"),
     (lambda m, t: vitprune.unmerge(m, t[0]), TypeError, r"tokens must be a \(B, tokens, channels\) tensor"),
     (lambda m, t: vitprune.unmerge(m, t[:2]), ValueError, "the last forward left 3 images"),
     (lambda m, t: vitprune.unmerge(m, t[:, :-2]), ValueError, "patch tokens"),  # -1: the patches alone
@@ -95,6 +95,11 @@ def test_what_does_not_fit_the_last_forward_is_refused(call, error, match):
     model, tokens = features({})
     with pytest.raises(error, match=match):
         call(model, tokens)
+
+
+def test_a_patch_without_stages_gives_the_tokens_back():
+    model, tokens = features(dict(stages=()))
+    assert vitprune.unmerge(model, tokens) is tokens
 
 
 def test_before_any_forward_it_says_to_run_one():

@@ -36,10 +36,11 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
     Returns:
         ``(B, P + N, C)`` or ``(B, N, C)``, as ``tokens`` came, ``N`` the patches that entered
         the first block, in row-major grid order (reshape ``[:, -N:]`` to ``(B, h, w, C)``
-        for a map). Tokens from before the first reduction are returned as they are.
+        for a map). Tokens from before the first reduction (or of a patch without stages) are
+        returned as they are.
 
     Raises:
-        TypeError: ``tokens`` is not a 3-D tensor.
+        TypeError: ``tokens`` is not a 3-D tensor, or ``block`` not an int.
         ValueError: The model is not patched, no forward has run on this thread, ``block``
             is out of range, or ``tokens`` is not the batch or token count that ``block``
             left in the last forward.
@@ -52,10 +53,13 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
     depth = len(blocks_of(model))
     if block is None:
         block = depth - 1
-    if isinstance(block, bool) or not isinstance(block, Integral) or not -depth <= block < depth:
-        raise ValueError(f"block must be an int in [{-depth}, {depth - 1}] (this model has {depth} blocks) "
-                         f"or None, got {block!r}")
+    if isinstance(block, bool) or not isinstance(block, Integral):
+        raise TypeError(f"block must be an int or None, got {type(block).__name__} {block!r}")
+    if not -depth <= block < depth:
+        raise ValueError(f"block must be in [{-depth}, {depth - 1}] (this model has {depth} blocks), got {block}")
     block = int(block) % depth
+    if not state.config.stages:  # a patch that never reduces
+        return tokens
     groups = token_groups(model)
     stage = bisect_right(state.config.stages, block) - 1  # the last stage at or before the block
     B, L, C = tokens.shape
