@@ -28,6 +28,6 @@ def test_documented_calls_type_check_and_misuses_do_not(tmp_path):
     # inside it are not reported, as for an installed package: only the calls are checked.
     result = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--warn-unused-ignores", "--follow-imports=silent",
-         "--cache-dir", str(tmp_path), "--no-error-summary", str(ROOT / "tests" / "typing" / "public_api.py")],
+         "--cache-dir", str(tmp_path), "--no-error-summary", str(ROOT / "tests" / "typecheck" / "public_api.py")],
         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)})
     assert result.returncode == 0, result.stdout + result.stderr
