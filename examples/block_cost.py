@@ -82,22 +82,20 @@ def main() -> None:
     counts = [prefix + max(1, round(share * patches)) for share in SHARES]
     inputs = {n: torch.randn(args.batch, n, model.embed_dim) for n in counts}
 
-    def run(n: int) -> Callable[[], None]:
-        def once() -> None:
-            with torch.inference_mode():
-                block(inputs[n])
+    def once(n: int) -> None:
         with torch.inference_mode():
-            times = repeat_for(once, 0.02)
+            block(inputs[n])
 
+    repeats = {n: repeat_for(lambda n=n: once(n), 0.02) for n in counts}
+
+    def run(n: int) -> Callable[[], None]:
         def call() -> None:
-            for _ in range(times):
-                once()
-        call.times = times  # type: ignore[attr-defined]
+            for _ in range(repeats[n]):
+                once(n)
         return call
 
-    calls = {n: run(n) for n in counts}
-    medians = time_interleaved({str(n): calls[n] for n in counts}, args.rounds, args.warmup, lambda: None)
-    seconds = {n: medians[str(n)] / calls[n].times for n in counts}  # type: ignore[attr-defined]
+    medians = time_interleaved({str(n): run(n) for n in counts}, args.rounds, args.warmup, lambda: None)
+    seconds = {n: medians[str(n)] / repeats[n] for n in counts}
     coefficients = fit(counts, [seconds[n] for n in counts])
     full = counts[0]
 
