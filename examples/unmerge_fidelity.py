@@ -24,23 +24,21 @@ from typing import Any, Dict, List
 import torch
 
 import vitprune
-from vitprune.core.config import PAPER_OPTIONS
 from vitprune.data.datasets import to_input
 from vitprune.data.shipped import load_shipped, load_test_subset
+from vitprune.measure.evaluate import DEFAULT, MERGING, Setting, apply_setting, build_settings
 
 DATASETS = ("fashion_mnist", "cluttered")
 BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.5)
-PAPER = dict(indicator="var", **PAPER_OPTIONS)
+#: ``build_settings``' method names, as the table names them.
+NAMES = {DEFAULT: "defaults", "var": "paper (var)", MERGING: "token merging"}
 
 
-def configs(model: torch.nn.Module, budget: float) -> Dict[str, vitprune.PruneConfig]:
-    """The three methods fitted to ``budget`` of the unpruned FLOPs, every token through the last block."""
-    gflops = budget * vitprune.analytic_flops(model) / 1e9
-    defaults = vitprune.fit_keep_rate(model, gflops, class_only_last=False)
-    paper = vitprune.fit_keep_rate(model, gflops, **PAPER)
-    return {"defaults": vitprune.PruneConfig(keep_rate=defaults, class_only_last=False),
-            "paper (var)": vitprune.PruneConfig(keep_rate=paper, **PAPER),
-            "token merging": vitprune.fit_merging(model, gflops)}
+def settings(model: torch.nn.Module) -> List[Setting]:
+    """The three methods fitted to every budget, every token through the last block
+    (``build_settings`` with ``class_only_last=False``; the unpruned setting left out)."""
+    return build_settings(model, methods=(DEFAULT, "var"), budgets=BUDGETS, baseline=True,
+                          class_only_last=False)[1:]
 
 
 def compare(reference: torch.Tensor, spread: torch.Tensor, prefix: int) -> Dict[str, float]:
@@ -56,15 +54,15 @@ def run(dataset: str, images: int) -> List[Dict[str, Any]]:
     with torch.inference_mode():
         reference = model.forward_features(x)
     rows = []
-    for budget in BUDGETS:
-        for name, config in configs(model, budget).items():
-            patched = vitprune.patch(copy.deepcopy(model), config)
-            with torch.inference_mode():
-                spread = vitprune.unmerge(patched, patched.forward_features(x))
-            rows.append({"dataset": dataset, "budget": budget, "method": name,
-                         "gflops": vitprune.analytic_flops(patched) / 1e9,
-                         **compare(reference, spread, model.num_prefix_tokens)})
-    return rows
+    for setting in settings(model):
+        patched = apply_setting(copy.deepcopy(model), setting)
+        with torch.inference_mode():
+            spread = vitprune.unmerge(patched, patched.forward_features(x))
+        rows.append({"dataset": dataset, "budget": setting.budget, "method": NAMES[setting.method],
+                     "gflops": vitprune.analytic_flops(patched) / 1e9,
+                     **compare(reference, spread, model.num_prefix_tokens)})
+    order = list(NAMES.values())
+    return sorted(rows, key=lambda row: (-row["budget"], order.index(row["method"])))
 
 
 def main() -> None:

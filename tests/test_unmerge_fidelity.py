@@ -9,6 +9,7 @@ import torch
 
 import vitprune
 from vitprune.data.shipped import load_shipped
+from vitprune.measure.evaluate import apply_setting
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -25,13 +26,14 @@ def test_the_measures_by_hand():
     assert measures == {"cosine": pytest.approx(0.5), "relative_error": pytest.approx((2 / 5) ** 0.5)}
 
 
-def test_every_method_fits_the_budget_with_every_token_through_the_last_block():
+def test_every_method_fits_its_budget_with_every_token_through_the_last_block():
     model, _ = load_shipped("fashion_mnist")
-    budget = 0.6 * vitprune.analytic_flops(model)
-    configs = unmerge_fidelity.configs(model, 0.6)
-    assert set(configs) == {"defaults", "paper (var)", "token merging"}
-    for config in configs.values():
-        patched = vitprune.patch(model, config)
+    unpruned = vitprune.analytic_flops(model)
+    settings = unmerge_fidelity.settings(model)
+    assert sorted((s.budget, unmerge_fidelity.NAMES[s.method]) for s in settings) == sorted(
+        (b, name) for b in unmerge_fidelity.BUDGETS for name in ("defaults", "paper (var)", "token merging"))
+    for setting in settings:
+        patched = apply_setting(model, setting)
         assert vitprune.get_config(patched).class_only_last is False
-        assert vitprune.analytic_flops(patched) <= budget
+        assert vitprune.analytic_flops(patched) <= setting.budget * unpruned
         vitprune.unpatch(model)

@@ -152,7 +152,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
             config = fit_merging(model, gflops, img_size) if gflops < unpruned else merging_config(model, 0, img_size)
             settings.append(Setting(f"{MERGING} {text}", MERGING, None, share, {"config": config}))
     for setting in settings[1:]:  # what patch would refuse, refused now
-        _apply(scratch, setting)
+        apply_setting(scratch, setting)
     return settings
 
 
@@ -160,7 +160,7 @@ def _stage_text(schedule: Any) -> str:
     return schedule if isinstance(schedule, str) else ",".join(str(s) for s in schedule)
 
 
-def _apply(model: nn.Module, setting: Setting) -> nn.Module:
+def apply_setting(model: nn.Module, setting: Setting) -> nn.Module:
     """``model`` patched as ``setting`` says (left as it is for the unpruned setting)."""
     if setting.options is None:
         return model
@@ -196,7 +196,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
     device = torch.device(device)
-    models = [_apply(copy.deepcopy(model), s).to(device).eval() for s in settings]
+    models = [apply_setting(copy.deepcopy(model), s).to(device).eval() for s in settings]
     gflops = [gflops_of(m, img_size) for m in models]
     top1 = [0] * len(models)
     top5 = [0] * len(models)
