@@ -75,6 +75,26 @@ def test_forward_intermediates_with_overlap_returns_maps_of_the_overlapped_grid(
         assert torch.equal(grid, flat.reshape(2, side, side, 192).permute(0, 3, 1, 2))
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_forward_intermediates_gives_maps_after_pruning_on_every_family(name):
+    """timm's default NCHW: the reduced blocks' tokens spread back over the patch grid, as
+    ``unmerge`` spreads the NLC tokens of the same blocks; blocks before the first reduction
+    as timm gives them."""
+    model = build(name)
+    x = images(model, batch=2)
+    with torch.no_grad():
+        expected = model.forward_intermediates(x, indices=[0, 3], intermediates_only=True)
+        vitprune.patch(model, keep_rate=0.5, stages=(2,))  # merging at block 2
+        maps = model.forward_intermediates(x, indices=[0, 3], intermediates_only=True)
+        tokens = model.forward_intermediates(x, indices=[0, 3], output_fmt="NLC", intermediates_only=True)
+    assert maps[0].shape == expected[0].shape == maps[1].shape
+    torch.testing.assert_close(maps[0], expected[0])  # before the reduction: the unpatched map
+    assert tokens[0].shape[1] == maps[0].shape[2] * maps[0].shape[3] > tokens[1].shape[1]  # block 3's: fewer
+    for block, grid, flat in zip([0, 3], maps, tokens):
+        spread = vitprune.unmerge(model, flat, block)
+        assert torch.equal(grid, spread.reshape(2, *grid.shape[2:], -1).permute(0, 3, 1, 2))
+
+
 POOLED = ["gap, no class token", "Eva02 (rope, SwiGLU, avg pool)", "BEiT (relative position bias)",
           "siglip map (attention pool)", "relpos, no class token"]
 

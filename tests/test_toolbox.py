@@ -137,15 +137,81 @@ def test_forward_intermediates_before_pruning_match_the_unpatched_model():
         assert a.shape == (2, 192, 4, 4)
 
 
+def spread_by_hand(tokens, group, side):
+    """``(B, n, C)`` patch tokens as a ``(B, C, side, side)`` map, patch ``p`` of image ``b``
+    reading token ``group[b, p]`` (zeros for ``-1``; ``group`` ``None``: the tokens in order)."""
+    B, _, C = tokens.shape
+    if group is not None:
+        tokens = torch.stack([torch.stack([tokens[b, g] if g >= 0 else tokens.new_zeros(C) for g in group[b].tolist()])
+                              for b in range(B)])
+    return tokens.reshape(B, side, side, C).permute(0, 3, 1, 2)
+
+
 @pytest.mark.parametrize("options, counts", [
     (PAPER, [16, 13, 9]),  # 16 -> 12+1 -> 10+1 -> 8+1 (fusion tokens)
     ({"stages": None}, [16, 12, 7]),  # 16 -> 12 -> 9 -> 7 (merged into kept tokens)
-], ids=["paper", "merge"])
-def test_forward_intermediates_after_pruning_are_tokens_not_grids(options, counts):
+    ({"stages": None, "reduction": "drop", "indicator": "var"}, [16, 12, 7]),  # dropped patches read zeros
+], ids=["paper", "merge", "drop"])
+def test_forward_intermediates_after_pruning_spread_each_token_over_the_patches_it_holds(options, counts):
     model, x = vitprune.patch(small_vit(), keep_rate=0.7, **options), images()
     with torch.no_grad():
         final, tokens = model.forward_intermediates(x, indices=[2, 3, 11], output_fmt="NLC")
         torch.testing.assert_close(model.forward_head(final), model(x))
-        with pytest.raises(ValueError, match=r"blocks \[3, 11\] run after pruning starts at block 3.*NLC"):
-            model.forward_intermediates(x, indices=[2, 3, 11])
+        final_again, maps = model.forward_intermediates(x, indices=[2, 3, 11])  # NCHW, timm's default
     assert [t.shape[1] for t in tokens] == counts
+    assert torch.equal(final_again, final)
+    groups = vitprune.token_groups(model)  # stages (3, 6, 9): block 2 is before the first, 3 and 11 after
+    for taken, group, grid in zip(tokens, [None, groups[0], groups[2]], maps):
+        assert grid.shape == (2, 192, 4, 4) and grid.is_contiguous()
+        assert torch.equal(grid, spread_by_hand(taken, group, 4))
+    if options.get("reduction") == "drop":
+        assert bool((groups[2] < 0).any()) and bool((maps[2].flatten(2).transpose(1, 2)[groups[2] < 0] == 0).all())
+
+
+def test_forward_intermediates_maps_come_in_each_of_timms_output_forms():
+    model, x = vitprune.patch(small_vit(), keep_rate=0.5), images()
+    with torch.no_grad():
+        _, maps = model.forward_intermediates(x, indices=[11, 1, 5])  # any order: timm returns block order
+        _, tokens = model.forward_intermediates(x, indices=[1, 5, 11], output_fmt="NLC", return_prefix_tokens=True)
+        only = model.forward_intermediates(x, indices=[1, 5, 11], intermediates_only=True)
+        paired = model.forward_intermediates(x, indices=[1, 5, 11], return_prefix_tokens=True, intermediates_only=True)
+        as_dict = model.forward_intermediates(x, indices=3, output_dict=True, return_prefix_tokens=True)
+        _, last3 = model.forward_intermediates(x, indices=3)
+    for grid, alone, (grid_paired, prefix), (_, nlc_prefix) in zip(maps, only, paired, tokens):
+        assert torch.equal(alone, grid) and torch.equal(grid_paired, grid) and torch.equal(prefix, nlc_prefix)
+    assert [tuple(m.shape) for m in maps] == [(2, 192, 4, 4)] * 3
+    assert set(as_dict) == {"image_intermediates", "image_intermediates_prefix", "image_features"}
+    for a, b in zip(as_dict["image_intermediates"], last3):
+        assert torch.equal(a, b)
+    assert [p.shape for p in as_dict["image_intermediates_prefix"]] == [(2, 1, 192)] * 3
+
+
+class Intermediates(torch.nn.Module):
+    """A module whose forward is ``forward_intermediates``' maps (for export)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model.forward_intermediates(x, indices=[1, 5, 11], intermediates_only=True)
+
+
+@pytest.mark.slow
+def test_forward_intermediates_maps_after_pruning_compile_and_export():
+    """The graphs work out their own groups: each input's maps, not the last eager forward's."""
+    model = vitprune.patch(small_vit(), keep_rate=0.5)
+    take, a, b = Intermediates(model), images(seed=1), images(seed=2)
+    compiled = torch.compile(take)
+    with torch.no_grad():
+        first = compiled(a)  # before any eager forward
+        expected_a, expected_b = take(a), take(b)
+        take(a)  # the eager records are a's now
+        from_graph_b = compiled(b)
+        exported = torch.export.export(take, (a,)).module()
+        take(a)
+        exported_b = exported(b)
+    for got, expected in [(first, expected_a), (from_graph_b, expected_b), (exported_b, expected_b)]:
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e)
+    assert not torch.allclose(expected_a[2], expected_b[2])

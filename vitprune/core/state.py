@@ -95,11 +95,12 @@ class ForwardRecords:
                 self._groups[stage] = torch.where(before >= 0, slots.gather(1, before.clamp_min(0)), before)
         return self._groups
 
-    def record_slots(self, stage: int, previous: Optional[int], make: MakeSlots) -> None:
+    def record_slots(self, stage: int, previous: Optional[int], make: MakeSlots, always: bool = False) -> None:
         """Stage ``stage`` sent the tokens it received as ``make()`` says; they were stage
-        ``previous``'s (``None``: the patches in order). Kept for eager forwards only: a
-        compiled graph would compute them whether or not anyone reads them."""
-        if not (is_compiling() or is_exporting() or torch.jit.is_tracing()):
+        ``previous``'s (``None``: the patches in order). Kept for eager forwards, and with
+        ``always`` for compiled and traced ones too (a graph computes them whether or not
+        anyone reads them, so only a forward that reads them in-graph asks)."""
+        if always or not (is_compiling() or is_exporting() or torch.jit.is_tracing()):
             self._slots[stage] = (previous, make)
             self._groups.pop(stage, None)  # recomputed (gradient checkpointing): read afresh
 
@@ -213,6 +214,17 @@ class PruneState:
     def in_forward(self, value: bool) -> None:
         self._local.in_forward = value
 
+    @property
+    def wants_groups(self) -> bool:
+        """Whether the calling thread's current forward reads its token groups before it
+        returns (``forward_intermediates`` making NCHW maps), so that compiled and traced
+        forwards record them too."""
+        return getattr(self._local, "wants_groups", False)
+
+    @wants_groups.setter
+    def wants_groups(self, value: bool) -> None:
+        self._local.wants_groups = value
+
     def run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``forward(*args, **kwargs)``, the model's own ``forward``, with :attr:`head_only` set
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
@@ -279,7 +291,8 @@ class PruneState:
         sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
             records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))
-            records.record_slots(stage, previous, functools.partial(_unchanged, B, n, x.device, None))
+            records.record_slots(stage, previous, functools.partial(_unchanged, B, n, x.device, None),
+                                 self.wants_groups)
             if sizes is not None:
                 records.stage_sizes[stage] = sizes
                 if stage - 1 in records.stage_bias:
@@ -292,7 +305,7 @@ class PruneState:
         if fused:
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
         records.record_positions(stage, previous, (B, k + int(fused)), functools.partial(_kept, keep, fused))
-        records.record_slots(stage, previous, slots)
+        records.record_slots(stage, previous, slots, self.wants_groups)
         records.stage_sizes[stage] = records.sizes = sizes_kept
         if config.size_aware:
             records.stage_bias[stage] = size_bias(sizes_kept, P, x.dtype)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from numbers import Integral
 from typing import Optional
 
@@ -28,8 +27,9 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
         model: A patched model.
         tokens: ``(B, P + n, C)`` as ``forward_features`` (or ``transformers``'
             ``last_hidden_state``) returns them, or ``(B, n, C)`` patch tokens alone, as
-            timm's ``forward_intermediates`` returns them: the ``n`` tokens left after
-            ``block``.
+            timm's ``forward_intermediates(..., output_fmt="NLC")`` returns them: the ``n``
+            tokens left after ``block`` (with ``"NCHW"``, ``forward_intermediates`` calls
+            this itself and returns maps).
         block: The block whose output ``tokens`` are (0-indexed; negative counts from the
             end). ``None``: the last block (``forward_features``).
 
@@ -61,7 +61,7 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
     if not state.config.stages:  # a patch that never reduces
         return tokens
     groups = token_groups(model)
-    stage = bisect_right(state.config.stages, block) - 1  # the last stage at or before the block
+    stage = sum(1 for s in state.config.stages if s <= block) - 1  # the last stage at or before the block
     B, L, C = tokens.shape
     N, P = groups[0].shape[1], state.num_prefix
     if stage < 0:

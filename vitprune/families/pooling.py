@@ -16,8 +16,10 @@ Changed methods, which differ from timm's only while a forward pruned something:
   returned tensor the token sizes that produced it, so ``forward_head`` pools any
   features with their own sizes, whatever ran in between or on other threads.
 - ``forward_intermediates``: returns NCHW maps of the overlapped grid with
-  ``overlap_stride``, and refuses ``output_fmt="NCHW"`` for blocks at or after the
-  first pruning stage (those outputs are no longer a full grid); ``"NLC"`` works.
+  ``overlap_stride``. Blocks at or after the first pruning stage leave fewer tokens than
+  the grid has patches, so their NCHW maps are those tokens spread back over the grid
+  (``vitprune.unmerge``: each patch the features of the token that holds it); ``"NLC"``
+  returns the tokens themselves.
 """
 
 from __future__ import annotations
@@ -124,22 +126,25 @@ class PrunedModel:
         bound.apply_defaults()
         options: Dict[str, Any] = bound.arguments
         self.vitprune_state.head_only = False  # every token, through every block
-        first = self._vitprune_first_pruning_block(options["x"])
-        if options["output_fmt"] == "NCHW" and first is not None:
-            take, _ = feature_take_indices(len(self.blocks), options["indices"])
-            late = sorted(i for i in take if i >= first)
-            if late:
-                raise ValueError(
-                    f"vitprune: blocks {late} run after pruning starts at block {first}, so their "
-                    "tokens are no longer a full grid and cannot be returned as NCHW; pass "
-                    "output_fmt='NLC' (vitprune.unmerge(model, tokens, block) spreads them back over the "
-                    f"grid), take only blocks before {first}, or unpatch the model"
-                )
-        out = super().forward_intermediates(*args, **kwargs)
-        if isinstance(out, tuple):
-            _mark(out[0], self.vitprune_state.sizes)
-        elif isinstance(out, dict) and "image_features" in out:
-            _mark(out["image_features"], self.vitprune_state.sizes)
+        images = options["x"]
+        first = self._vitprune_first_pruning_block(images)
+        take, _ = feature_take_indices(len(self.blocks), options["indices"])
+        blocks = sorted(set(int(i) for i in take))  # the order timm appends them in
+        spread = options["output_fmt"] == "NCHW" and first is not None and bool(blocks) and blocks[-1] >= first
+        if spread:  # the reduced blocks' tokens are no grid: take tokens, spread them back over it
+            options["output_fmt"] = "NLC"
+        state = self.vitprune_state
+        state.wants_groups = spread  # compiled and traced forwards record them too
+        try:
+            out = super().forward_intermediates(*bound.args, **bound.kwargs)
+        finally:
+            state.wants_groups = False
+        final = out.get("image_features") if isinstance(out, dict) else out[0] if isinstance(out, tuple) else None
+        if isinstance(final, torch.Tensor):
+            _mark(final, self.vitprune_state.sizes)
+        if spread:
+            grid = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
+            out = _spread_intermediates(self, out, blocks, tuple(int(s) for s in grid))
         return out
 
     def _vitprune_first_pruning_block(self, images: torch.Tensor) -> "int | None":
@@ -152,6 +157,27 @@ class PrunedModel:
             if keep_count(rate, n) < n:  # until a stage prunes, every stage sees all n patches
                 return index
         return None
+
+
+def _spread_intermediates(model: Any, out: Any, blocks: "list[int]", grid: "tuple[int, int]") -> Any:
+    """timm's ``forward_intermediates`` output ``out`` (NLC, of ``blocks`` in order) with every
+    intermediate spread back over the ``grid`` of patches (``vitprune.unmerge``) as an NCHW map,
+    in the same structure: a dict, ``(final, maps)``, or the maps alone; each map paired with
+    its prefix tokens where they were."""
+    from ..core.unmerge import unmerge  # not at the top: core.patching imports this package
+
+    def to_map(tokens: torch.Tensor, block: int) -> torch.Tensor:
+        patches = unmerge(model, tokens, block)
+        return patches.reshape(patches.shape[0], *grid, -1).permute(0, 3, 1, 2).contiguous()
+
+    def convert(taken: list) -> list:
+        return [(to_map(t[0], b), t[1]) if isinstance(t, tuple) else to_map(t, b) for t, b in zip(taken, blocks)]
+
+    if isinstance(out, dict):
+        return {**out, "image_intermediates": convert(out["image_intermediates"])}
+    if isinstance(out, tuple):
+        return out[0], convert(out[1])
+    return convert(out)
 
 
 class MeanPoolingHead:
