@@ -2,10 +2,11 @@
 gradient checkpointing, and timm's forward_* / reset_classifier methods."""
 
 import pytest
+import timm
 import torch
 
 import vitprune
-from conftest import PAPER, small_vit
+from conftest import PAPER, assert_same, small_vit, snapshot
 from vitprune.data import datasets
 from vitprune.data import shipped as demo_models
 
@@ -215,3 +216,20 @@ def test_forward_intermediates_maps_after_pruning_compile_and_export():
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e)
     assert not torch.allclose(expected_a[2], expected_b[2])
+
+
+def test_a_features_only_model_is_patched_through_the_vit_it_wraps():
+    net = timm.create_model("deit_tiny_patch16_224", img_size=64, features_only=True, out_indices=(1, 5, 11)).eval()
+    before = snapshot(net)
+    with pytest.raises(TypeError, match=r"FeatureGetterNet: it is timm's features_only wrapper: patch the ViT it "
+                                        r"wraps, vitprune\.patch\(net\.model, \.\.\.\)"):
+        vitprune.patch(net, keep_rate=0.5)
+    assert_same(before, snapshot(net))
+    vitprune.patch(net.model, keep_rate=0.5)
+    x = images()
+    with torch.no_grad():
+        maps = net(x)
+        expected = net.model.forward_intermediates(x, indices=[1, 5, 11], intermediates_only=True)
+    assert [tuple(m.shape) for m in maps] == [(2, 192, 4, 4)] * 3
+    for got, want in zip(maps, expected):
+        assert torch.equal(got, want)

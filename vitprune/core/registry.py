@@ -151,6 +151,9 @@ REFUSED = {
     "PyramidVisionTransformerV2": "it is hierarchical (spatial-reduction attention on the full grid)",
     "Twins": "its locally-grouped attention needs the full token grid",
     "MultiScaleVit": "its pooling attention and stages need the full token grid",
+    "FeatureGetterNet": "it is timm's features_only wrapper: patch the ViT it wraps, "
+                        "vitprune.patch(net.model, ...), whose forward_intermediates the wrapper calls "
+                        "(maps after pruning are the tokens spread back over the grid)",
 }
 
 
