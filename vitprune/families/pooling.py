@@ -125,7 +125,8 @@ class PrunedModel:
         bound = inspect.signature(super().forward_intermediates).bind(*args, **kwargs)
         bound.apply_defaults()
         options: Dict[str, Any] = bound.arguments
-        self.vitprune_state.head_only = False  # every token, through every block
+        state = self.vitprune_state
+        state.head_only = False  # every token, through every block
         images = options["x"]
         first = self._vitprune_first_pruning_block(images)
         take, _ = feature_take_indices(len(self.blocks), options["indices"])
@@ -133,7 +134,6 @@ class PrunedModel:
         spread = options["output_fmt"] == "NCHW" and first is not None and bool(blocks) and blocks[-1] >= first
         if spread:  # the reduced blocks' tokens are no grid: take tokens, spread them back over it
             options["output_fmt"] = "NLC"
-        state = self.vitprune_state
         state.wants_groups = spread  # compiled and traced forwards record them too
         try:
             out = super().forward_intermediates(*bound.args, **bound.kwargs)
@@ -141,7 +141,7 @@ class PrunedModel:
             state.wants_groups = False
         final = out.get("image_features") if isinstance(out, dict) else out[0] if isinstance(out, tuple) else None
         if isinstance(final, torch.Tensor):
-            _mark(final, self.vitprune_state.sizes)
+            _mark(final, state.sizes)
         if spread:
             grid = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
             out = _spread_intermediates(self, out, blocks, tuple(int(s) for s in grid))
