@@ -10,6 +10,10 @@ bench``), fits ``a, b`` by least squares, and prints:
 
 - per token count: the time against the full count's, and the tokens' share;
 - the fixed share ``a / t(N)`` at the full count;
+- with ``--distinct``, the same again for every block of the model in turn, timed in the same
+  rounds against the first block called as many times: each block then reads its own weights
+  (as in a forward) instead of one block's weights staying in the cache, which tells the
+  fixed part's memory traffic from its per-operation costs;
 - for the defaults at ``--keep-rate`` (``class_only_last=False``: every block a plain
   block), the time the fit predicts from the schedule's token counts (each block at the
   mean of the tokens entering and leaving it), against the unpruned model's, beside the
@@ -17,6 +21,7 @@ bench``), fits ``a, b`` by least squares, and prints:
 
     python examples/block_cost.py --batch 1 --json docs/bench/cpu_deit_small_block_cost_b1.json
     python examples/block_cost.py --batch 32 --json docs/bench/cpu_deit_small_block_cost_b32.json
+    python examples/block_cost.py --batch 1 --distinct --json docs/bench/cpu_deit_small_block_cost_distinct_b1.json
 
 Run it with nothing else on the machine: a second busy core moves the ratios by a fifth.
 """
@@ -24,6 +29,7 @@ Run it with nothing else on the machine: a second busy core moves the ratios by 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -63,6 +69,13 @@ def predicted(coefficients: Sequence[float], tokens: float) -> float:
     return a + b * tokens
 
 
+def run(once: Callable[[Sequence[torch.nn.Module], int], None], blocks: Sequence[torch.nn.Module], n: int,
+        repeats: int) -> None:
+    """``repeats`` calls of ``once(blocks, n)``: one timed step."""
+    for _ in range(repeats):
+        once(blocks, n)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="deit_small_patch16_224")
@@ -71,61 +84,68 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--distinct", action="store_true",
+                        help="also time every block in turn (per block), against the first block as often")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     model = timm.create_model(args.model, pretrained=False).eval()
-    block, prefix = model.blocks[0], model.num_prefix_tokens
+    prefix, depth = model.num_prefix_tokens, len(model.blocks)
     patches = num_patches(model)
     counts = [prefix + max(1, round(share * patches)) for share in SHARES]
     inputs = {n: torch.randn(args.batch, n, model.embed_dim) for n in counts}
+    # each mode: the blocks one call runs, in turn, on the same input
+    modes = {"one block": [model.blocks[0]]}
+    if args.distinct:
+        modes = {"one block": [model.blocks[0]] * depth, "every block": list(model.blocks)}
 
-    def once(n: int) -> None:
+    def once(blocks: Sequence[torch.nn.Module], n: int) -> None:
         with torch.inference_mode():
-            block(inputs[n])
+            for block in blocks:
+                block(inputs[n])
 
-    repeats = {n: repeat_for(lambda n=n: once(n), 0.02) for n in counts}
+    steps = {}
+    for mode, blocks in modes.items():
+        for n in counts:
+            repeats = repeat_for(lambda: once(blocks, n), 0.02)
+            steps[(mode, n)] = (functools.partial(run, once, blocks, n, repeats), repeats * len(blocks))
+    medians = time_interleaved({f"{mode}, {n}": step for (mode, n), (step, _) in steps.items()}, args.rounds,
+                               args.warmup, lambda: None)
 
-    def run(n: int) -> Callable[[], None]:
-        def call() -> None:
-            for _ in range(repeats[n]):
-                once(n)
-        return call
-
-    medians = time_interleaved({str(n): run(n) for n in counts}, args.rounds, args.warmup, lambda: None)
-    seconds = {n: medians[str(n)] / repeats[n] for n in counts}
-    coefficients = fit(counts, [seconds[n] for n in counts])
-    full = counts[0]
-
-    rows = [{"tokens": n, "ms": 1e3 * seconds[n], "time_share": seconds[n] / seconds[full], "token_share": n / full,
-             "fit_ms": 1e3 * predicted(coefficients, n)} for n in counts]
-    print(f"{args.model}, one block, batch {args.batch}, {args.threads} threads, median of {args.rounds} rounds")
-    print(f"{'tokens':>7} {'ms':>8} {'time share':>11} {'token share':>12} {'fit ms':>8}")
-    for row in rows:
-        print(f"{row['tokens']:>7} {row['ms']:>8.3f} {row['time_share']:>11.3f} {row['token_share']:>12.3f} "
-              f"{row['fit_ms']:>8.3f}")
-    a = coefficients[0]
-    fixed_share = a / predicted(coefficients, full)
-    print(f"fit: t(N) = {1e3 * a:.3f} ms + {1e6 * coefficients[1]:.3f} us N; fixed share at {full} tokens: "
-          f"{fixed_share:.1%}")
-
-    config = PruneConfig(keep_rate=args.keep_rate, class_only_last=False).resolve(len(model.blocks), patches)
-    left = token_counts(config.keep_rate, config.stages, len(model.blocks), patches, fuse=False)
+    config = PruneConfig(keep_rate=args.keep_rate, class_only_last=False).resolve(depth, patches)
+    left = token_counts(config.keep_rate, config.stages, depth, patches, fuse=False)
     entering = (patches,) + left[:-1]
-    pruned = sum(predicted(coefficients, prefix + (i + o) / 2) for i, o in zip(entering, left))
-    unpruned = len(model.blocks) * predicted(coefficients, full)
     flop_ratio = schedule_flops(model, None) / schedule_flops(model, config)
-    ceiling = unpruned / pruned
-    print(f"defaults at keep {args.keep_rate} (class_only_last=False): FLOP ratio {flop_ratio:.3f}x; the fit "
-          f"predicts {ceiling:.3f}x with a free reduction step: {ceiling / flop_ratio:.1%} of the FLOP ratio")
+    results = {}
+    for mode in modes:
+        seconds = {n: medians[f"{mode}, {n}"] / steps[(mode, n)][1] for n in counts}  # per block call
+        coefficients = fit(counts, [seconds[n] for n in counts])
+        full = counts[0]
+        rows = [{"tokens": n, "ms": 1e3 * seconds[n], "time_share": seconds[n] / seconds[full],
+                 "token_share": n / full, "fit_ms": 1e3 * predicted(coefficients, n)} for n in counts]
+        timed = f"its {depth} blocks in turn, per block" if mode == "every block" else "one block"
+        print(f"{args.model}, {timed}, batch {args.batch}, {args.threads} threads, median of {args.rounds} rounds")
+        print(f"{'tokens':>7} {'ms':>8} {'time share':>11} {'token share':>12} {'fit ms':>8}")
+        for row in rows:
+            print(f"{row['tokens']:>7} {row['ms']:>8.3f} {row['time_share']:>11.3f} {row['token_share']:>12.3f} "
+                  f"{row['fit_ms']:>8.3f}")
+        a = coefficients[0]
+        fixed_share = a / predicted(coefficients, full)
+        print(f"fit: t(N) = {1e3 * a:.3f} ms + {1e6 * coefficients[1]:.3f} us N; fixed share at {full} tokens: "
+              f"{fixed_share:.1%}")
+        pruned = sum(predicted(coefficients, prefix + (i + o) / 2) for i, o in zip(entering, left))
+        ceiling = depth * predicted(coefficients, full) / pruned
+        print(f"defaults at keep {args.keep_rate} (class_only_last=False): FLOP ratio {flop_ratio:.3f}x; the fit "
+              f"predicts {ceiling:.3f}x with a free reduction step: {ceiling / flop_ratio:.1%} of the FLOP ratio")
+        results[mode] = {"rows": rows, "fit_seconds": coefficients, "fixed_share": fixed_share,
+                         "defaults_flop_ratio": flop_ratio, "defaults_predicted_speedup_free_step": ceiling}
     if args.json:
         with open(args.json, "w") as handle:
+            found = {"modes": results} if args.distinct else results["one block"]
             json.dump({"command": vars(args), "torch": torch.__version__, "timm": timm.__version__,
-                       "machine": platform.machine(), "rows": rows, "fit_seconds": coefficients,
-                       "fixed_share": fixed_share, "defaults_flop_ratio": flop_ratio,
-                       "defaults_predicted_speedup_free_step": ceiling}, handle, indent=1)
+                       "machine": platform.machine(), **found}, handle, indent=1)
             handle.write("\n")
 
 

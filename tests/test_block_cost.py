@@ -1,5 +1,6 @@
 """The block-cost benchmark (examples/block_cost.py): its fit of ``a + b N`` and its repeat count."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -28,3 +29,16 @@ def test_short_calls_are_repeated_to_last_about_the_asked_time():
     calls = []
     assert block_cost.repeat_for(lambda: calls.append(1), 0.0) == 1  # at least once
     assert block_cost.repeat_for(lambda: None, 1e-3) > 1
+
+
+def test_distinct_times_every_block_and_the_first_alike(tmp_path, monkeypatch):
+    out = tmp_path / "cost.json"
+    monkeypatch.setattr(sys, "argv", ["block_cost.py", "--model", "deit_tiny_patch16_224", "--rounds", "1",
+                                      "--warmup", "0", "--distinct", "--json", str(out)])
+    block_cost.main()
+    found = json.loads(out.read_text())
+    assert set(found["modes"]) == {"one block", "every block"}
+    for mode in found["modes"].values():
+        assert [row["tokens"] for row in mode["rows"]] == [1 + max(1, round(s * 196)) for s in block_cost.SHARES]
+        assert all(row["ms"] > 0 for row in mode["rows"]) and mode["rows"][0]["time_share"] == 1.0
+        assert mode["defaults_flop_ratio"] > 1
