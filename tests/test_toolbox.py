@@ -203,7 +203,7 @@ def test_forward_intermediates_maps_after_pruning_compile_and_export():
     """The graphs work out their own groups: each input's maps, not the last eager forward's."""
     model = vitprune.patch(small_vit(), keep_rate=0.5)
     take, a, b = Intermediates(model), images(seed=1), images(seed=2)
-    compiled = torch.compile(take)
+    compiled = torch.compile(take, fullgraph=True)  # one graph: the maps included
     with torch.no_grad():
         first = compiled(a)  # before any eager forward
         expected_a, expected_b = take(a), take(b)
@@ -233,3 +233,16 @@ def test_a_features_only_model_is_patched_through_the_vit_it_wraps():
     assert [tuple(m.shape) for m in maps] == [(2, 192, 4, 4)] * 3
     for got, want in zip(maps, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, x: m.forward_intermediates(), "missing 1 required positional argument: 'x'"),
+    (lambda m, x: m.forward_intermediates(x, x=x), "got multiple values for argument 'x'"),
+    (lambda m, x: m.forward_intermediates(x, *[None] * 12), "positional arguments but"),
+    (lambda m, x: m.forward_intermediates(x, layers=2), "unexpected keyword argument 'layers'"),
+], ids=["no input", "input twice", "too many", "unknown"])
+def test_forward_intermediates_refuses_a_bad_call_as_timm_does(call, match):
+    model, x = vitprune.patch(small_vit(), keep_rate=0.5), images()
+    with pytest.raises(TypeError, match=match), torch.no_grad():
+        call(model, x)
+    assert not model.vitprune_state.wants_groups

@@ -55,6 +55,19 @@ def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
 class PrunedModel:
     """What every patched model class adds to its timm class (see the module docs)."""
 
+    #: ``(name, default)`` of each parameter of the timm class's ``forward_intermediates`` after
+    #: ``self``, read once per class (``inspect`` does not compile; the forward binds by these).
+    _vitprune_intermediates_parameters: "tuple[tuple[str, Any], ...]" = ()
+    _vitprune_intermediates_required: "tuple[str, ...]" = ()  # those without a default
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        method = getattr(super(PrunedModel, cls), "forward_intermediates", None)
+        if method is not None:
+            parameters = list(inspect.signature(method).parameters.values())[1:]
+            cls._vitprune_intermediates_parameters = tuple((p.name, p.default) for p in parameters)
+            cls._vitprune_intermediates_required = tuple(p.name for p in parameters if p.default is p.empty)
+
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
         """The token sizes of features ``x``: those recorded on it by ``forward_features``;
         while tracing, those of the forward being traced; ``None`` when every token is one patch.
@@ -122,9 +135,14 @@ class PrunedModel:
         return bool(getattr(self, "pool_include_prefix", False))
 
     def forward_intermediates(self, *args: Any, **kwargs: Any):
-        bound = inspect.signature(super().forward_intermediates).bind(*args, **kwargs)
-        bound.apply_defaults()
-        options: Dict[str, Any] = bound.arguments
+        parameters = self._vitprune_intermediates_parameters
+        names = [name for name, _ in parameters]
+        options: Dict[str, Any] = dict(zip(names, args))
+        options.update(kwargs)
+        if (len(args) > len(names) or any(name in kwargs for name in names[:len(args)])
+                or any(name not in options for name in self._vitprune_intermediates_required)):
+            return super().forward_intermediates(*args, **kwargs)  # Python's own TypeError for the call
+        options = {**dict(parameters), **options}
         state = self.vitprune_state
         state.head_only = False  # every token, through every block
         images = options["x"]
@@ -136,7 +154,7 @@ class PrunedModel:
             options["output_fmt"] = "NLC"
         state.wants_groups = spread  # compiled and traced forwards record them too
         try:
-            out = super().forward_intermediates(*bound.args, **bound.kwargs)
+            out = super().forward_intermediates(**options)
         finally:
             state.wants_groups = False
         final = out.get("image_features") if isinstance(out, dict) else out[0] if isinstance(out, tuple) else None
