@@ -55,18 +55,19 @@ def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
 class PrunedModel:
     """What every patched model class adds to its timm class (see the module docs)."""
 
-    #: ``(name, default)`` of each parameter of the timm class's ``forward_intermediates`` after
-    #: ``self``, read once per class (``inspect`` does not compile; the forward binds by these).
-    _vitprune_intermediates_parameters: "tuple[tuple[str, Any], ...]" = ()
-    _vitprune_intermediates_required: "tuple[str, ...]" = ()  # those without a default
+    #: The parameters of the timm class's ``forward_intermediates`` after ``self``, in order, and
+    #: the defaults of those that have one: read once per class (``inspect`` does not compile;
+    #: the forward binds its arguments by these).
+    _vitprune_intermediates_names: "tuple[str, ...]" = ()
+    _vitprune_intermediates_defaults: Dict[str, Any] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         method = getattr(super(PrunedModel, cls), "forward_intermediates", None)
         if method is not None:
             parameters = list(inspect.signature(method).parameters.values())[1:]
-            cls._vitprune_intermediates_parameters = tuple((p.name, p.default) for p in parameters)
-            cls._vitprune_intermediates_required = tuple(p.name for p in parameters if p.default is p.empty)
+            cls._vitprune_intermediates_names = tuple(p.name for p in parameters)
+            cls._vitprune_intermediates_defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
         """The token sizes of features ``x``: those recorded on it by ``forward_features``;
@@ -135,18 +136,16 @@ class PrunedModel:
         return bool(getattr(self, "pool_include_prefix", False))
 
     def forward_intermediates(self, *args: Any, **kwargs: Any):
-        parameters = self._vitprune_intermediates_parameters
-        names = [name for name, _ in parameters]
-        options: Dict[str, Any] = dict(zip(names, args))
-        options.update(kwargs)
+        names, defaults = self._vitprune_intermediates_names, self._vitprune_intermediates_defaults
+        options: Dict[str, Any] = {**defaults, **dict(zip(names, args)), **kwargs}
         if (len(args) > len(names) or any(name in kwargs for name in names[:len(args)])
-                or any(name not in options for name in self._vitprune_intermediates_required)):
+                or any(name not in options for name in names)):
             return super().forward_intermediates(*args, **kwargs)  # Python's own TypeError for the call
-        options = {**dict(parameters), **options}
         state = self.vitprune_state
         state.head_only = False  # every token, through every block
         images = options["x"]
-        first = self._vitprune_first_pruning_block(images)
+        grid = tuple(int(side) for side in self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:])))
+        first = self._vitprune_first_pruning_block(grid[0] * grid[1])
         take, _ = feature_take_indices(len(self.blocks), options["indices"])
         blocks = sorted(set(int(i) for i in take))  # the order timm appends them in
         spread = options["output_fmt"] == "NCHW" and first is not None and bool(blocks) and blocks[-1] >= first
@@ -161,16 +160,12 @@ class PrunedModel:
         if isinstance(final, torch.Tensor):
             _mark(final, state.sizes)
         if spread:
-            grid = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
-            out = _spread_intermediates(self, out, blocks, tuple(int(s) for s in grid))
+            out = _spread_intermediates(self, out, blocks, grid)
         return out
 
-    def _vitprune_first_pruning_block(self, images: torch.Tensor) -> "int | None":
-        """The first block that drops tokens for images of this size, or ``None``."""
+    def _vitprune_first_pruning_block(self, n: int) -> "int | None":
+        """The first block that drops tokens of ``n`` patches, or ``None``."""
         config = self.vitprune_state.config
-        n = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:])) if getattr(
-            self.patch_embed, "dynamic_img_size", False) else self.patch_embed.grid_size
-        n = int(n[0]) * int(n[1])
         for index, rate in zip(config.stages, config.keep_rate):
             if keep_count(rate, n) < n:  # until a stage prunes, every stage sees all n patches
                 return index
