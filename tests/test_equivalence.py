@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from conftest import MODEL_FACTORIES, image_batch, make_model, paper
+from conftest import FAMILIES, MODEL_FACTORIES, build, image_batch, images, make_model, paper
 
 
 @pytest.mark.parametrize("name", list(MODEL_FACTORIES))
@@ -60,3 +60,34 @@ def test_dynamic_img_size_equivalence_and_pruning():
         assert_close(model(x), expected)
         vitprune.patch(model, keep_rate=0.5, **paper(stages=(2,)))
         assert model.forward_features(x).shape == (2, 1 + 30 + 1, model.embed_dim)
+
+
+#: Reductions whose batch and single-image code differ: the defaults' one round (a batch of
+#: one indexes its own rows, a batch the flattened rows), bipartite rounds (keep 0.3 removes
+#: more than half in a block), the paper's fusion token, redundancy merging, dropping.
+PER_IMAGE = {
+    "defaults, rounds": {"keep_rate": 0.3},
+    "paper": paper(indicator="var", stages=(1, 2), keep_rate=0.6),
+    "redundant, merge": {"selection": "redundant", "keep_rate": 0.5},
+    "top, drop": {"selection": "top", "reduction": "drop", "indicator": "medad", "keep_rate": 0.5},
+}
+#: The defaults on every family; the other reductions on a class token with registers, a
+#: pooled head with registers, and a relative position bias.
+BATCH_CASES = [(name, "defaults", {"keep_rate": 0.7}) for name in FAMILIES] + [
+    (name, label, options) for name in ("DINOv3 (rope, registers)", "registers, no class token",
+                                        "BEiT (relative position bias)")
+    for label, options in PER_IMAGE.items()]
+
+
+@pytest.mark.parametrize("name, options", [(name, options) for name, _, options in BATCH_CASES],
+                         ids=[f"{name}-{label}" for name, label, _ in BATCH_CASES])
+def test_a_batch_gives_every_image_what_it_gives_alone(name, options):
+    """Tokens are chosen and merged per image: an image's output does not depend on the
+    others in its batch. In float64, so no near tie of the matching flips between the
+    batched and the single-image products."""
+    model = vitprune.patch(build(name).double(), **options)
+    x = images(model).double()
+    with torch.no_grad():
+        together = model(x)
+        alone = torch.cat([model(image.unsqueeze(0)) for image in x])
+    assert_close(together, alone, rtol=1e-9, atol=1e-10)
