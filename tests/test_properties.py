@@ -2,7 +2,8 @@
 
 For every draw: invalid options raise ``ValueError``/``TypeError`` and leave the model
 bit-identical; valid ones give finite outputs of the unpatched shape; keep 1.0 equals the
-unpatched model; ``unpatch`` restores everything. The default profile draws
+unpatched model; in float64 a batch gives every image what it gives alone (random scores
+aside: they are drawn per batch); ``unpatch`` restores everything. The default profile draws
 ``PROPERTY_EXAMPLES`` examples (the same ones every run); ``VITPRUNE_PROPERTIES=slow`` draws
 ten times as many, new ones each run.
 """
@@ -108,6 +109,11 @@ def test_any_options_and_inputs(name, chosen, batch, dtype):
             event("patched, keep 1.0")
             tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-10}
             torch.testing.assert_close(got, expected, **tolerance)
+        if dtype == torch.float64 and batch >= 2 and vitprune.get_config(model).indicator != "random":
+            event("patched, batch against each image alone")
+            with torch.no_grad():
+                alone = torch.cat([model(image.unsqueeze(0)) for image in x])
+            torch.testing.assert_close(got, alone, rtol=1e-9, atol=1e-10)
     vitprune.unpatch(model)
     assert_same(before, snapshot(model))
     with torch.no_grad():
