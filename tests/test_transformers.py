@@ -96,6 +96,17 @@ def test_pruning_keeps_the_schedules_token_counts_and_unpatch_restores_everythin
         assert torch.equal(main_output(model(x)), expected)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_a_batch_gives_every_image_what_it_gives_alone(name):
+    """The defaults, with more than half the tokens removed in the first blocks (rounds) too;
+    float64, so no near tie of the matching flips between batched and single products."""
+    model, x = vitprune.patch(build(name).double(), keep_rate=0.3), images(batch=3).double()
+    with torch.no_grad():
+        together = main_output(model(pixel_values=x))
+        alone = torch.cat([main_output(model(pixel_values=image.unsqueeze(0))) for image in x])
+    torch.testing.assert_close(together, alone, rtol=1e-9, atol=1e-10)
+
+
 @pytest.mark.parametrize("name", ["ViTForImageClassification", "Dinov2WithRegistersForImageClassification"])
 def test_patched_models_save_load_and_copy(name):
     model, x = vitprune.patch(build(name), keep_rate=0.6), images()
