@@ -62,11 +62,11 @@ def test_dynamic_img_size_equivalence_and_pruning():
         assert model.forward_features(x).shape == (2, 1 + 30 + 1, model.embed_dim)
 
 
-#: Reductions whose batch and single-image code differ: the defaults' one round (a batch of
-#: one indexes its own rows, a batch the flattened rows), bipartite rounds (keep 0.3 removes
-#: more than half in a block), the paper's fusion token, redundancy merging, dropping.
+#: Reductions beside the defaults' one round per block (where a batch of one indexes its own
+#: rows and a batch the flattened rows): bipartite rounds (one stage removing more than half
+#: the tokens), the paper's fusion token, redundancy merging, dropping.
 PER_IMAGE = {
-    "defaults, rounds": {"keep_rate": 0.3},
+    "bipartite rounds": {"keep_rate": 0.3, "stages": (1,)},
     "paper": paper(indicator="var", stages=(1, 2), keep_rate=0.6),
     "redundant, merge": {"selection": "redundant", "keep_rate": 0.5},
     "top, drop": {"selection": "top", "reduction": "drop", "indicator": "medad", "keep_rate": 0.5},

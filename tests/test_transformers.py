@@ -96,11 +96,14 @@ def test_pruning_keeps_the_schedules_token_counts_and_unpatch_restores_everythin
         assert torch.equal(main_output(model(x)), expected)
 
 
+@pytest.mark.parametrize("options", [dict(keep_rate=0.5), dict(keep_rate=0.3, stages=(1,))],
+                         ids=["defaults", "bipartite rounds"])
 @pytest.mark.parametrize("name", MODELS)
-def test_a_batch_gives_every_image_what_it_gives_alone(name):
-    """The defaults, with more than half the tokens removed in the first blocks (rounds) too;
-    float64, so no near tie of the matching flips between batched and single products."""
-    model, x = vitprune.patch(build(name).double(), keep_rate=0.3), images(batch=3).double()
+def test_a_batch_gives_every_image_what_it_gives_alone(name, options):
+    """The defaults (one round per block: a batch of one indexes its own rows), and one stage
+    removing more than half the tokens (rounds); float64, so no near tie of the matching flips
+    between batched and single products."""
+    model, x = vitprune.patch(build(name).double(), **options), images(batch=3).double()
     with torch.no_grad():
         together = main_output(model(pixel_values=x))
         alone = torch.cat([main_output(model(pixel_values=image.unsqueeze(0))) for image in x])
