@@ -8,10 +8,12 @@ outputs stay finite under fp16 and bf16 autocast, and which fraction of the kept
 agrees with fp32 at every stage. Then, for a few families on random
 weights, the largest difference from the unpatched model with nothing pruned, on CUDA (and,
 for token-pooled ones, of the defaults (``class_only_last`` on) from the same patch without it);
-the same for ``transformers`` ViT and SigLIP (eager and sdpa) when it is installed.
-Prints one line per check; exits non-zero if any output is not finite. ``--device cpu``
-runs the same checks on the CPU (autocast there too), to see that the script still runs
-before a GPU is at hand; its figures say nothing about a GPU.
+the defaults' gradients with and without gradient checkpointing; a batch of deit_small
+against each image alone (float64); and the nothing-pruned difference for ``transformers``
+ViT and SigLIP (eager and sdpa) when it is installed. Prints one line per check; exits
+non-zero if any output is not finite or the checkpointing or batch check fails. ``--device
+cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
+runs before a GPU is at hand; its figures say nothing about a GPU.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def main() -> int:
             else:
                 print(f"{name}: class_only_last is off by default here: {family_of(model).class_only(model)}")
     ok &= checkpointing_check(device)
+    ok &= per_image_check(device)
     ok &= transformers_checks(device)
     return 0 if ok else 1
 
@@ -98,6 +101,25 @@ def checkpointing_check(device: torch.device) -> bool:
     error = max((a - b).abs().max().item() for a, b in zip(*grads))
     print(f"deit_small defaults, gradient checkpointing on {device.type}: max abs gradient difference {error:.2e}")
     return error < 1e-3
+
+
+def per_image_check(device: torch.device) -> bool:
+    """A batch gives every image what it gives alone on ``device`` (float64, deit_small with
+    random weights, the defaults and the paper's method at keep 0.7): the batch-of-one merge
+    and the batched one, and the device's own index kernels, against each other."""
+    ok = True
+    torch.manual_seed(0)
+    model = timm.create_model("deit_small_patch16_224").to(device, torch.float64).eval()
+    x = torch.randn(4, 3, 224, 224, device=device, dtype=torch.float64)
+    for name, options in (("defaults", {}), ("paper (var)", dict(indicator="var", **PAPER_OPTIONS))):
+        vitprune.patch(model, keep_rate=0.7, **options)
+        with torch.no_grad():
+            together = model(x)
+            alone = torch.cat([model(image.unsqueeze(0)) for image in x])
+        error = (together - alone).abs().max().item()
+        ok &= error < 1e-6
+        print(f"deit_small {name}, batch of 4 against each image alone, {device.type} fp64: max abs difference {error:.2e}")
+    return ok
 
 
 def transformers_checks(device: torch.device) -> bool:
