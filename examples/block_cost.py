@@ -118,11 +118,11 @@ def main() -> None:
     left = token_counts(config.keep_rate, config.stages, depth, patches, fuse=False)
     entering = (patches,) + left[:-1]
     flop_ratio = schedule_flops(model, None) / schedule_flops(model, config)
+    full = counts[0]
     results = {}
     for mode in modes:
         seconds = {n: medians[f"{mode}, {n}"] / steps[(mode, n)][1] for n in counts}  # per block call
         coefficients = fit(counts, [seconds[n] for n in counts])
-        full = counts[0]
         rows = [{"tokens": n, "ms": 1e3 * seconds[n], "time_share": seconds[n] / seconds[full],
                  "token_share": n / full, "fit_ms": 1e3 * predicted(coefficients, n)} for n in counts]
         timed = f"its {depth} blocks in turn, per block" if mode == "every block" else "one block"

@@ -73,14 +73,13 @@ PER_IMAGE = {
 }
 #: The defaults on every family; the other reductions on a class token with registers, a
 #: pooled head with registers, and a relative position bias.
-BATCH_CASES = [(name, "defaults", {"keep_rate": 0.7}) for name in FAMILIES] + [
-    (name, label, options) for name in ("DINOv3 (rope, registers)", "registers, no class token",
-                                        "BEiT (relative position bias)")
+BATCH_CASES = [pytest.param(name, {"keep_rate": 0.7}, id=f"{name}-defaults") for name in FAMILIES] + [
+    pytest.param(name, options, id=f"{name}-{label}")
+    for name in ("DINOv3 (rope, registers)", "registers, no class token", "BEiT (relative position bias)")
     for label, options in PER_IMAGE.items()]
 
 
-@pytest.mark.parametrize("name, options", [(name, options) for name, _, options in BATCH_CASES],
-                         ids=[f"{name}-{label}" for name, label, _ in BATCH_CASES])
+@pytest.mark.parametrize("name, options", BATCH_CASES)
 def test_a_batch_gives_every_image_what_it_gives_alone(name, options):
     """Tokens are chosen and merged per image: an image's output does not depend on the
     others in its batch. In float64, so no near tie of the matching flips between the
