@@ -61,6 +61,12 @@ def test_every_public_name_resolves():
         assert getattr(vitprune, name) is not None, name
 
 
+def test_dir_lists_every_public_name_once_after_use():
+    vitprune.patch, vitprune.PruneConfig  # noqa: B018 (resolved and cached in the module)
+    listed = dir(vitprune)
+    assert len(listed) == len(set(listed)) and set(vitprune.__all__) <= set(listed)
+
+
 def test_the_minimums_ci_installs_are_the_ones_pyproject_states():
     root = Path(__file__).resolve().parent.parent
     pins = dict(line.split("==") for line in (root / ".ci" / "minimum.txt").read_text().splitlines()

@@ -65,4 +65,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> List[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*globals(), *__all__})  # a set: a public name used once is in both
