@@ -19,6 +19,17 @@ def test_resolve_fills_stages_and_per_stage_rates():
     assert cfg.stages == (2, 5) and cfg.keep_rate == (0.9, 0.8)
 
 
+def test_schedule_gives_the_blocks_and_their_rates_as_tuples():
+    resolved = PruneConfig(keep_rate=0.7, class_only_last=True).resolve(12, 196)
+    assert resolved.schedule() == (tuple(range(11)), (0.924,) * 11)  # "spread", the last block computing the class
+    assert PruneConfig(keep_rate=0.5, stages=[3, 6]).schedule() == ((3, 6), (0.5, 0.5))  # one rate, repeated
+    assert PruneConfig(keep_rate=[0.9, 0.8], stages=(2, 5)).schedule() == ((2, 5), (0.9, 0.8))
+    assert PruneConfig(keep_rate=[], stages=()).schedule() == ((), ())
+    for stages in ("spread", "all", None):
+        with pytest.raises(ValueError, match=f"stages={stages!r} name no blocks until resolved for a model"):
+            PruneConfig(keep_rate=0.5, stages=stages).schedule()
+
+
 def test_config_is_frozen():
     with pytest.raises(Exception):
         PruneConfig().T = 2.0

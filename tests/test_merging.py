@@ -349,8 +349,12 @@ def test_merging_config_removes_r_tokens_per_block(tiny):
     with torch.no_grad():
         tiny(image_batch(tiny))
     assert [p.shape[1] for p in vitprune.kept_positions(tiny)] == [196 - 8 * (i + 1) for i in range(12)]
-    with pytest.raises(ValueError, match="r must be"):
-        merging_config(tiny, -1)
+    for bad in (-1, [8] * 11, [8.0] * 12):
+        with pytest.raises(ValueError, match=r"r must be an int >= 0 or 12 of them \(one per block\)"):
+            merging_config(tiny, bad)
+    for bad in (True, 2.5, None, "8" * 12):
+        with pytest.raises(TypeError, match=r"r must be an int >= 0 or 12 of them"):
+            merging_config(tiny, bad)
 
 
 @pytest.mark.parametrize("share", [0.9, 0.7, 0.55])

@@ -21,13 +21,34 @@ def test_the_package_marks_itself_typed():
     assert package_data is not None and '"py.typed"' in package_data.group(1)  # so wheels carry it
 
 
-@pytest.mark.slow
-def test_documented_calls_type_check_and_misuses_do_not(tmp_path):
+#: Subpackages whose own code must type-check. ``families`` is not among them yet: its blocks
+#: are mixins over timm's and ``transformers``' classes, whose submodules mypy cannot see.
+CHECKED_INSIDE = ["core", "measure", "commands", "data", "pictures", "__init__.py", "__main__.py"]
+
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory):
     pytest.importorskip("mypy")
+    return str(tmp_path_factory.mktemp("mypy_cache"))  # shared: torch's stubs are read once
+
+
+def run_mypy(cache, *arguments):
+    return subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", cache, "--no-error-summary", *arguments],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)})
+
+
+@pytest.mark.slow
+def test_documented_calls_type_check_and_misuses_do_not(mypy_cache):
     # The package as source (the editable install's import hook is invisible to mypy); errors
     # inside it are not reported, as for an installed package: only the calls are checked.
-    result = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--warn-unused-ignores", "--follow-imports=silent",
-         "--cache-dir", str(tmp_path), "--no-error-summary", str(ROOT / "tests" / "typecheck" / "public_api.py")],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "MYPYPATH": str(ROOT)})
+    result = run_mypy(mypy_cache, "--strict", "--warn-unused-ignores", "--follow-imports=silent",
+                      str(ROOT / "tests" / "typecheck" / "public_api.py"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_the_package_code_type_checks(mypy_cache):
+    # its own annotations against its code (fvcore and the like ship no types: ignored)
+    result = run_mypy(mypy_cache, "--ignore-missing-imports", "--follow-imports=silent",
+                      *[str(ROOT / "vitprune" / name) for name in CHECKED_INSIDE])
     assert result.returncode == 0, result.stdout + result.stderr

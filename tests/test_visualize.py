@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,24 @@ def test_footprints_tile_the_image_without_overlap_and_overlap_with_a_smaller_st
     assert overlapped.shape == (25, 64, 64)  # (64 - 16) // 12 + 1 = 5 per side
     assert overlapped[1, 0:16, 12:28].all() and overlapped[1].sum() == 256
     assert (overlapped.sum(0) > 1).any()
+
+
+@pytest.mark.parametrize("kernel, stride, padding", [(4, 4, 0), (4, 3, 1), (3, 2, "valid"), (3, 1, "same"),
+                                                     (4, 1, "same")])
+def test_a_footprint_is_the_pixels_its_token_reads(kernel, stride, padding, monkeypatch):
+    # the pixels whose gradient reaches one output position of the convolution, torch's padding rules included
+    conv = torch.nn.Conv2d(1, 1, kernel, stride=stride, padding=padding, bias=False)
+    torch.nn.init.constant_(conv.weight, 1.0)
+    monkeypatch.setattr("vitprune.pictures.visualize.patch_conv", lambda model: conv)
+    footprints = patch_footprints(torch.nn.Identity(), (11, 10))
+    image = torch.zeros(1, 1, 11, 10, requires_grad=True)
+    with warnings.catch_warnings():  # torch may warn that an even kernel's "same" padding copies the input
+        warnings.simplefilter("ignore")
+        out = conv(image)[0, 0]
+    assert footprints.shape[0] == out.numel()
+    for token in range(out.numel()):
+        reached, = torch.autograd.grad(out.flatten()[token], image, retain_graph=True)
+        assert torch.equal(footprints[token], reached[0, 0] != 0), token
 
 
 @pytest.mark.parametrize("keep_rate", [0.3, 0.6, 0.9])

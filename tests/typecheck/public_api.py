@@ -33,6 +33,9 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     vitprune.PruneConfig(keep_rate=[0.7, 0.6], stages=[3, 6], indicator="lowvar")
     vitprune.patch(model, config, keep_rate=0.5)
     read: vitprune.PruneConfig = vitprune.get_config(patched)
+    blocks, rates = read.schedule()
+    first_block: int = blocks[0]
+    first_rate: float = rates[0]
     indicator: Optional[str] = read.indicator
     stages = vitprune.default_stages(12)
     first_stage: int = stages[0]

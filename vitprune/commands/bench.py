@@ -18,14 +18,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import timm
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import PAPER_OPTIONS, SPREAD, PruneConfig
+from ..core.config import PAPER_OPTIONS, SPREAD, Indicator, PruneConfig
 from ..core.grid import input_size
 from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
@@ -75,8 +75,8 @@ class Setting:
         if self.indicator == DEFAULT:
             return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
                                overlap_stride=self.overlap_stride, **forced)
-        return PruneConfig(indicator=self.indicator, keep_rate=self.keep_rate, overlap_stride=self.overlap_stride,
-                           **{**PAPER_OPTIONS, "stages": self.stages, **forced})
+        return PruneConfig(indicator=cast(Indicator, self.indicator), keep_rate=self.keep_rate,  # PruneConfig checks it
+                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": self.stages, **forced})
 
 
 @dataclass

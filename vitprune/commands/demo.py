@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,10 +27,11 @@ from ..pictures.frontier import draw_frontier
 from .bench import time_interleaved
 
 
-def settings_of(indicators: Sequence[str], keep_rates: Sequence[float]) -> list:
+def settings_of(indicators: Sequence[str],
+                keep_rates: Sequence[float]) -> List[Tuple[str, float, Optional[Dict[str, Any]]]]:
     """``(method, keep rate, patch options or None)`` per setting: the unpruned model, then per
     keep rate vitprune's defaults and the paper's method with each indicator."""
-    settings = [("unpruned", 1.0, None)]
+    settings: List[Tuple[str, float, Optional[Dict[str, Any]]]] = [("unpruned", 1.0, None)]
     settings += [("default", rate, {}) for rate in keep_rates]
     settings += [(f"{ind} (paper)", rate, dict(indicator=ind, **PAPER_OPTIONS)) for ind in indicators
                  for rate in keep_rates]
@@ -38,13 +39,14 @@ def settings_of(indicators: Sequence[str], keep_rates: Sequence[float]) -> list:
 
 
 def run_dataset(dataset: str, indicators: Sequence[str], keep_rates: Sequence[float],
-                rounds: int, advance: Callable[[], None] = lambda: None) -> List[Dict[str, object]]:
+                rounds: int, advance: Callable[[], None] = lambda: None) -> List[Dict[str, Any]]:
     """One row per setting: the unpruned model, then per keep rate vitprune's defaults
     and the paper's method with each indicator."""
     base, record = load_shipped(dataset)
     images, labels = load_test_subset(dataset)
     x = to_input(images[:256])
-    rows, steps = [], {}
+    rows: List[Dict[str, Any]] = []
+    steps: Dict[str, Callable[[], None]] = {}
     for method, rate, options in settings_of(indicators, keep_rates):
         label = "unpruned" if options is None else f"{method.split()[0]} keep {rate:g}"
         model = base if options is None else patch(copy.deepcopy(base), keep_rate=rate, **options)
@@ -65,7 +67,7 @@ def run_dataset(dataset: str, indicators: Sequence[str], keep_rates: Sequence[fl
     return rows
 
 
-def plot(rows: Sequence[Dict[str, object]], path: str) -> None:
+def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
     """Accuracy against GFLOPs, one panel per dataset, one line per method (``draw_frontier``)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     figure, axes = pyplot(files_only=True).subplots(1, len(datasets), figsize=(5.5 * len(datasets), 4.2),
@@ -77,7 +79,7 @@ def plot(rows: Sequence[Dict[str, object]], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
-def format_rows(rows: Sequence[Dict[str, object]]) -> str:
+def format_rows(rows: Sequence[Dict[str, Any]]) -> str:
     lines = [f"{'dataset':<15}{'setting':<18}{'accuracy':>9}{'vs unpruned':>13}{'GFLOPs':>9}{'speedup':>9}"]
     for r in rows:
         base = next(b for b in rows if b["dataset"] == r["dataset"] and b["indicator"] == "unpruned")
@@ -102,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     from tqdm.auto import tqdm
 
-    rows: List[Dict[str, object]] = []
+    rows: List[Dict[str, Any]] = []
     steps = len(args.datasets) * (len(settings_of(args.indicators, args.keep_rates)) + 1)
     with tqdm(total=steps, desc="accuracy and timing", unit="step") as bar:
         for dataset in args.datasets:

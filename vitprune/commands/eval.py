@@ -48,7 +48,7 @@ def head_outputs(model: torch.nn.Module) -> Optional[int]:
         TypeError: A ``transformers`` model that is not an image classifier (no logits).
     """
     if hasattr(model, "num_classes"):
-        return int(model.num_classes)
+        return int(getattr(model, "num_classes"))
     config = getattr(model, "config", None)
     if config is None:
         return None

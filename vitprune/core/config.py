@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from numbers import Integral, Real
 from types import MappingProxyType
-from typing import Any, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
+from typing import Any, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -20,18 +20,18 @@ REDUCTIONS: Tuple[str, ...] = get_args(Reduction)
 Stages = Union[Sequence[int], Literal["spread", "all"], None]
 
 #: The defaults, chosen by the experiments in docs/merging.md (see docs/method.md §9).
-DEFAULT_SELECTION = "bipartite"
-DEFAULT_REDUCTION = "merge"
-DEFAULT_SIZE_AWARE = True
+DEFAULT_SELECTION: Final = "bipartite"
+DEFAULT_REDUCTION: Final = "merge"
+DEFAULT_SIZE_AWARE: Final = True
 #: Weight of crowding in bipartite matching when ``crowding`` is left at ``None``
 #: (``merging.crowding_scores``; docs/crowding.md).
-DEFAULT_CROWDING = 0.0
+DEFAULT_CROWDING: Final = 0.0
 
 #: ``stages`` value for a reduction in every block, at ``keep_rate`` each.
-ALL_BLOCKS = "all"
+ALL_BLOCKS: Final = "all"
 #: ``stages`` value (the default) for a reduction in every block at about the cost of the
 #: paper's three stages at ``keep_rate`` (see :meth:`PruneConfig.resolve`).
-SPREAD = "spread"
+SPREAD: Final = "spread"
 
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
@@ -229,9 +229,9 @@ class PruneConfig:
     def _spread(self, depth: int, num_patches: int) -> "PruneConfig":
         """Every block reduces, by the largest common keep rate whose tokens (summed over
         blocks, so about the FLOPs) do not exceed those of the paper's stages at ``keep_rate``."""
-        paper = dataclasses.replace(self, stages=None).resolve(depth)
         fuse = self.reduction == "fuse"
-        budget = _token_total(token_counts(paper.keep_rate, paper.stages, depth, num_patches, fuse), num_patches)
+        stages, rates = dataclasses.replace(self, stages=None).resolve(depth).schedule()
+        budget = _token_total(token_counts(rates, stages, depth, num_patches, fuse), num_patches)
         every = tuple(range(depth))
 
         def counts(rate: float) -> Tuple[int, ...]:
@@ -259,7 +259,7 @@ class PruneConfig:
             )
         reduction = self.reduction
         if self.fuse is not None:
-            implied = "fuse" if self.fuse else "drop"
+            implied: Reduction = "fuse" if self.fuse else "drop"
             if reduction is not None and reduction != implied:
                 raise ValueError(f"fuse={self.fuse} means reduction={implied!r}, but reduction={reduction!r}; "
                                  "pass only reduction")
@@ -285,28 +285,44 @@ class PruneConfig:
             return self._spread(depth, num_patches)._class_only(depth)
         return self._explicit(depth)._class_only(depth, refuse=self.stages not in (None, ALL_BLOCKS))
 
+    def schedule(self) -> Tuple[Tuple[int, ...], Tuple[float, ...]]:
+        """The blocks that reduce and each one's keep rate, as tuples: the schedule of a
+        config read back with :func:`~vitprune.get_config` (or made by :meth:`resolve`),
+        typed as what it holds.
+
+        Raises:
+            ValueError: The stages are not explicit blocks (``"spread"``, ``"all"`` or
+                ``None``, which :meth:`resolve` works out for a model).
+        """
+        stages, rates = self.stages, self.keep_rate
+        if not isinstance(stages, tuple):
+            raise ValueError(f"stages={stages!r} name no blocks until resolved for a model: read the config back "
+                             "with vitprune.get_config(model), or call resolve(depth, num_patches)")
+        return stages, _per_stage(rates, len(stages))
+
     def settle_class_only(self, applies: bool, depth: int) -> "PruneConfig":
         """This config with ``class_only_last=None`` made definite for a model of ``depth``
         blocks: on when the model allows it (``applies``, its family's answer) and no
         explicit stage is the last block, off otherwise. A definite value is kept."""
         if self.class_only_last is not None:
             return self
-        explicit = self.stages not in (None, ALL_BLOCKS, SPREAD)
-        return dataclasses.replace(self, class_only_last=applies and not (explicit and depth - 1 in self.stages))
+        explicit_last = isinstance(self.stages, tuple) and depth - 1 in self.stages
+        return dataclasses.replace(self, class_only_last=applies and not explicit_last)
 
     def _class_only(self, depth: int, refuse: bool = False) -> "PruneConfig":
         """With ``class_only_last``, these resolved stages without the last block (which then
         computes only the prefix tokens, so a reduction there would change nothing); with
         ``refuse``, an explicit stage there is an error instead."""
-        if not self.class_only_last or depth - 1 not in self.stages:
+        stages, rates = self.schedule()
+        if not self.class_only_last or depth - 1 not in stages:
             return self
         if refuse:
             raise ValueError(
                 f"stages include the last block ({depth - 1}), which computes only the class token with "
                 "class_only_last=True, so a reduction there would change nothing; leave it out of stages")
-        index = self.stages.index(depth - 1)
-        return dataclasses.replace(self, stages=self.stages[:index] + self.stages[index + 1:],
-                                   keep_rate=self.keep_rate[:index] + self.keep_rate[index + 1:])
+        index = stages.index(depth - 1)
+        return dataclasses.replace(self, stages=stages[:index] + stages[index + 1:],
+                                   keep_rate=rates[:index] + rates[index + 1:])
 
     def _explicit(self, depth: int) -> "PruneConfig":
         """Explicit stages and one keep rate per stage, for stages other than ``"spread"``."""
@@ -315,22 +331,26 @@ class PruneConfig:
         elif self.stages == ALL_BLOCKS:
             stages = tuple(range(depth))
         else:
-            stages = self.stages
+            stages = self.schedule()[0]
         bad = [s for s in stages if s >= depth]
         if bad:
             raise ValueError(
                 f"stages {bad} out of range: the model has {depth} blocks (valid indices 0..{depth - 1})"
             )
         keep = self.keep_rate
-        if isinstance(keep, tuple):
-            if len(keep) != len(stages):
-                raise ValueError(
-                    f"keep_rate has {len(keep)} values but the default stages for {depth} blocks "
-                    f"are {stages}; pass stages explicitly"
-                )
-        else:
-            keep = (keep,) * len(stages)
-        return dataclasses.replace(self, stages=stages, keep_rate=keep)
+        if isinstance(keep, tuple) and len(keep) != len(stages):
+            raise ValueError(
+                f"keep_rate has {len(keep)} values but the default stages for {depth} blocks "
+                f"are {stages}; pass stages explicitly"
+            )
+        return dataclasses.replace(self, stages=stages, keep_rate=_per_stage(keep, len(stages)))
+
+
+def _per_stage(keep_rate: Union[float, Sequence[float]], count: int) -> Tuple[float, ...]:
+    """One keep rate for each of ``count`` stages: a stored tuple as it is, or one float repeated."""
+    if isinstance(keep_rate, (int, float)):
+        return (float(keep_rate),) * count
+    return tuple(keep_rate)
 
 
 def token_counts(rates: Tuple[float, ...], stages: Tuple[int, ...], depth: int, n: int,

@@ -22,7 +22,10 @@ def vision_config(model: nn.Module) -> Any:
 
 
 def _pair(value: Any) -> Tuple[int, int]:
-    return (int(value), int(value)) if isinstance(value, Integral) else tuple(int(s) for s in value)
+    if isinstance(value, Integral):
+        return int(value), int(value)
+    height, width = value
+    return int(height), int(width)
 
 
 def patch_conv(model: nn.Module) -> Optional[nn.Conv2d]:
@@ -41,9 +44,9 @@ def patch_conv(model: nn.Module) -> Optional[nn.Conv2d]:
 
 def own_input_size(model: nn.Module) -> Optional[Tuple[int, int]]:
     """``(H, W)`` the model says it takes, or ``None`` when it does not say."""
-    embed = getattr(model, "patch_embed", None)
-    if getattr(embed, "img_size", None) is not None:
-        return _pair(embed.img_size)
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is not None:
+        return _pair(size)
     config = vision_config(model)
     return None if config is None else _pair(config.image_size)
 
@@ -65,7 +68,7 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
     if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
             or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in pair)):
         raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
-    pair = tuple(int(s) for s in pair)
+    pair = int(pair[0]), int(pair[1])
     conv = patch_conv(model)
     kernel = tuple(conv.kernel_size) if conv is not None else (1, 1)
     if any(s < k for s, k in zip(pair, kernel)):
@@ -87,12 +90,12 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
     if conv is None:
         raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
     embed = getattr(model, "patch_embed", None)
-    sizes = input_size(model, img_size)
+    sizes: Tuple[int, ...] = input_size(model, img_size)
     if getattr(embed, "dynamic_img_pad", False):
-        sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, embed.patch_size))
-    strides = conv.stride if stride is None else (stride, stride)
-    padding = (0, 0) if conv.padding == "valid" else conv.padding
-    if padding == "same":  # only allowed with stride 1: one token per pixel
+        sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, _pair(getattr(embed, "patch_size"))))
+    if conv.padding == "same":  # only allowed with stride 1: one token per pixel
         return sizes[0] * sizes[1]
+    strides = conv.stride if stride is None else (stride, stride)
+    padding = (0, 0) if isinstance(conv.padding, str) else conv.padding  # "valid", "same" having returned
     grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, padding, conv.kernel_size, strides)]
     return grid[0] * grid[1]

@@ -12,7 +12,7 @@ image sizes use it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ from torch import nn
 
 def overlapped_grid(img_size: Tuple[int, int], patch_size: Tuple[int, int], stride: int) -> Tuple[int, int]:
     """Grid of a stride-``stride`` convolution with kernel ``patch_size``: ``(L - p) // s + 1`` per side."""
-    return tuple((size - p) // stride + 1 for size, p in zip(img_size, patch_size))
+    (height, width), (ph, pw) = img_size, patch_size
+    return (height - ph) // stride + 1, (width - pw) // stride + 1
 
 
 def resample_grid_embed(pos_embed: torch.Tensor, num_prefix: int, old_grid: Tuple[int, int],
@@ -48,9 +49,10 @@ class OverlapPatchEmbed(PatchEmbed):
     size follows the stride (``PatchEmbed`` assumes stride == patch size)."""
 
     def dynamic_feat_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        (height, width), (ph, pw) = img_size, self.patch_size
         if self.dynamic_img_pad:  # padded up to whole patches, as PatchEmbed.forward pads
-            img_size = tuple(-(-size // p) * p for size, p in zip(img_size, self.patch_size))
-        return overlapped_grid(img_size, self.patch_size, self.proj.stride[0])
+            height, width = -(-height // ph) * ph, -(-width // pw) * pw
+        return overlapped_grid((height, width), (ph, pw), self.proj.stride[0])
 
 
 @dataclass
@@ -68,7 +70,7 @@ def check_overlap(model: nn.Module, stride: int, current: "OverlapRecord | None"
 
     ``current``: the record of an overlap the model has now, which patching again undoes first.
     """
-    embed = getattr(model, "patch_embed", None)
+    embed: Any = getattr(model, "patch_embed", None)  # timm's attributes, untyped
     if type(embed) not in (PatchEmbed, OverlapPatchEmbed) or not isinstance(getattr(embed, "proj", None), nn.Conv2d):
         raise TypeError(
             f"overlap_stride needs timm's PatchEmbed with a Conv2d projection; this model has "
@@ -87,7 +89,7 @@ def check_overlap(model: nn.Module, stride: int, current: "OverlapRecord | None"
 
 def _grid_prefix(model: nn.Module) -> int:
     """Position-embedding entries before the grid: prefix tokens, unless they have none."""
-    return 0 if getattr(model, "no_embed_class", False) else model.num_prefix_tokens
+    return 0 if getattr(model, "no_embed_class", False) else int(getattr(model, "num_prefix_tokens"))
 
 
 @torch.no_grad()
@@ -97,7 +99,7 @@ def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
     The position embedding stays the same ``nn.Parameter`` object (its data is replaced),
     so its device, dtype and ``requires_grad`` are kept; its shape changes.
     """
-    embed = model.patch_embed
+    embed: Any = model.patch_embed  # timm's attributes, untyped
     pos_embed = getattr(model, "pos_embed", None)
     record = OverlapRecord(
         stride=tuple(embed.proj.stride), grid_size=tuple(embed.grid_size), num_patches=embed.num_patches,
@@ -118,11 +120,11 @@ def remove_overlap(model: nn.Module, record: OverlapRecord) -> None:
     """Undo :func:`apply_overlap` exactly, from its record. The position embedding gets its
     original values in the dtype and on the device it has now (the model may have been
     moved or cast since)."""
-    embed = model.patch_embed
+    embed: Any = model.patch_embed  # timm's attributes, untyped
     embed.__class__ = PatchEmbed
     embed.proj.stride = record.stride
     embed.grid_size = record.grid_size
     embed.num_patches = record.num_patches
     if record.pos_embed is not None:
-        current = model.pos_embed.data
-        model.pos_embed.data = record.pos_embed.to(device=current.device, dtype=current.dtype)
+        pos_embed: Any = model.pos_embed
+        pos_embed.data = record.pos_embed.to(device=pos_embed.device, dtype=pos_embed.dtype)

@@ -49,7 +49,8 @@ def _swap_plan(family: Family, depth: int, stages: "tuple[int, ...]",
     stage where the family's blocks follow the tokens or with ``size_aware`` (they add
     the size bias), and with ``class_only`` the last block."""
     every = family.follows or size_aware
-    plan, last = {}, None
+    plan: "dict[int, tuple[Optional[int], Optional[int]]]" = {}
+    last: Optional[int] = None
     for index in range(stages[0] if stages else depth, depth):
         number = stages.index(index) if index in stages else None
         if number is not None or every:
@@ -95,7 +96,7 @@ def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
     """Raise ``ValueError`` when the indicator compares heads and a stage block has one."""
     if config.indicator not in HEAD_SPREAD_INDICATORS:
         return
-    for index in config.stages:
+    for index in config.schedule()[0]:
         heads = family.heads(family.blocks_of(model)[index])
         if heads < 2:
             raise ValueError(
@@ -115,8 +116,8 @@ def check_model_overlap(model: nn.Module, family: Family, stride: int) -> None:
     """Raise ``TypeError`` or ``ValueError`` unless ``model`` can take ``overlap_stride=stride``."""
     if not family.overlap:
         bases = [f.model for f in families() if f.overlap]
-        bases = " or ".join(c.__name__ for c in bases if not any(c is not b and issubclass(c, b) for b in bases))
-        raise TypeError(f"overlap_stride is supported for {bases} models only (an absolute position "
+        names = " or ".join(c.__name__ for c in bases if not any(c is not b and issubclass(c, b) for b in bases))
+        raise TypeError(f"overlap_stride is supported for {names} models only (an absolute position "
                         f"embedding), not {family.model.__name__}")
     previous = model.__dict__.get(MODEL_ATTR)
     check_overlap(model, stride, None if previous is None else previous.overlap)
@@ -249,7 +250,7 @@ def patch(
     blocks = family.blocks_of(model)
     cfg = settle_class_only(model, cfg, family)
     cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
-    plan = _swap_plan(family, len(blocks), cfg.stages, cfg.size_aware, cfg.class_only_last)
+    plan = _swap_plan(family, len(blocks), cfg.schedule()[0], cfg.size_aware, bool(cfg.class_only_last))
     _check_blocks(model, family, plan)
     _check_heads(model, family, cfg)
     gen = _make_generator(cfg, generator)
@@ -266,11 +267,10 @@ def patch(
     swaps = [(blocks[index], number, follow) for index, (number, follow) in plan.items()]
     for module, number, follow in swaps + [(extra, None, None) for extra in family.extras(model)]:
         module.__class__ = family.blocks[type(module)]
-        module.vitprune_state = state
-        module.vitprune_stage = number
-        module.vitprune_follow = follow
+        for name, value in (("vitprune_state", state), ("vitprune_stage", number), ("vitprune_follow", follow)):
+            setattr(module, name, value)
     if cfg.class_only_last:
-        blocks[-1].vitprune_class_only = True
+        setattr(blocks[-1], "vitprune_class_only", True)
     return model
 
 

@@ -7,19 +7,19 @@ from __future__ import annotations
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple, cast
 
 from torch import nn
 
 
 def timm_blocks(model: nn.Module) -> nn.ModuleList:
     """A timm ViT's transformer blocks."""
-    return model.blocks
+    return cast(nn.ModuleList, model.blocks)
 
 
 def timm_prefix(model: nn.Module) -> int:
     """Tokens before the patches in a timm ViT (class, distillation, registers)."""
-    return model.num_prefix_tokens
+    return cast(int, model.num_prefix_tokens)
 
 
 def timm_class_token(model: nn.Module) -> bool:
@@ -52,7 +52,7 @@ def grid_patches(model: nn.Module, stride: Optional[int]) -> int:
     try:
         return num_patches(model, None, stride)
     except (AttributeError, TypeError):
-        return int(model.patch_embed.num_patches)
+        return int(getattr(model.patch_embed, "num_patches"))
 
 
 def no_class_only(model: nn.Module) -> Optional[str]:
@@ -65,12 +65,12 @@ def no_extras(model: nn.Module) -> "list[nn.Module]":
 
 def own_attention(block: nn.Module) -> Dict[str, nn.Module]:
     """The attention a block runs through vitprune: its ``attn``."""
-    return {"attn": block.attn}
+    return {"attn": cast(nn.Module, block.attn)}
 
 
 def attention_heads(block: nn.Module) -> int:
     """Heads of a block's ``attn``."""
-    return block.attn.num_heads
+    return cast(int, getattr(block.attn, "num_heads"))
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def family_of(model: nn.Module) -> Optional[Family]:
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """The transformer blocks of ``model`` (patched or not), wherever its family keeps them."""
     family = family_of(model)
-    return model.blocks if family is None else family.blocks_of(model)
+    return timm_blocks(model) if family is None else family.blocks_of(model)
 
 
 def original_model_class(model: nn.Module) -> type:

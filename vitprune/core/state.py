@@ -146,6 +146,7 @@ class PruneState:
     def __init__(self, config: PruneConfig, num_prefix: int, generator: Optional[torch.Generator],
                  row_source: str = "cls") -> None:
         self.config = config
+        self.keep_rates = config.schedule()[1]  # per stage number (a resolved config's)
         self.num_prefix = num_prefix
         self.generator = generator
         self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
@@ -286,8 +287,9 @@ class PruneState:
 
         config = self.config
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
-        scores = self.scores(scored.row) if self.needs_scores else None
-        k = keep_count(config.keep_rate[stage], n)
+        row = scored.row  # given exactly when ``needs_scores`` (``row_source``)
+        scores = self.scores(row) if row is not None else None
+        k = keep_count(self.keep_rates[stage], n)
         sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
             records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))
@@ -303,6 +305,7 @@ class PruneState:
         x, keep, drop, sizes_kept, slots = self._reduce(x, scored, scores, sizes, k)
         fused = int(x.shape[1]) - P > k  # a fusion token at the end
         if fused:
+            assert drop is not None  # a fusion token's reduction gives its removed tokens
             sizes_kept = torch.cat([sizes_kept, sizes.gather(1, drop).sum(dim=1, keepdim=True)], dim=1)
         records.record_positions(stage, previous, (B, k + int(fused)), functools.partial(_kept, keep, fused))
         records.record_slots(stage, previous, slots, self.wants_groups)
@@ -326,16 +329,16 @@ class PruneState:
                     functools.partial(bipartite_slots, merged.stays, merged.removed, merged.dest, n))
         removed_into = k if config.reduction == "fuse" else -1  # the fusion token follows the kept ones
         if config.selection == "top" and config.reduction != "merge":
+            assert scores is not None  # a selection by score (``needs_scores``)
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
             return (x, sel.keep, sel.drop, sizes.gather(1, sel.keep),
                     functools.partial(token_slots, sel.keep, sel.drop, removed_into))
         metric = key_metric(scored.keys, P)
-        if config.selection == "top":
-            matched = match_top(scores, metric, k)
-        elif config.selection == "redundant":
-            matched = match_redundant(scores, metric, k)
-        else:
+        if config.selection == "bipartite":
             matched = match_bipartite(metric, k, sizes, config.crowding_weight)
+        else:
+            assert scores is not None  # a selection by score (``needs_scores``)
+            matched = match_top(scores, metric, k) if config.selection == "top" else match_redundant(scores, metric, k)
         if config.reduction == "merge":
             merged_tokens, sizes_kept = merge_tokens(x, sizes, matched, P)
             return (merged_tokens, matched.keep, matched.drop, sizes_kept,

@@ -126,6 +126,8 @@ def keep_or_fuse(x: torch.Tensor, keep: torch.Tensor, drop: torch.Tensor, num_pr
     patches = x[:, num_prefix:]
     parts = [x[:, :num_prefix], gather_tokens(patches, keep)]
     if fuse and drop.shape[1] > 0:
+        if scores is None:
+            raise ValueError("a fusion token is weighted by the removed tokens' scores: pass scores")
         weights = fusion_weights(scores.gather(1, drop), T)
         parts.append(fuse_tokens(gather_tokens(patches, drop), weights))
     return torch.cat(parts, dim=1)

@@ -35,7 +35,7 @@ def _transformers():
     return transformers
 
 
-def _model_class(config: Any) -> type:
+def _model_class(config: Any) -> Any:
     """The class the config's checkpoint was saved from (a full CLIP or SigLIP: its vision
     tower), else the image classifier or base model ``transformers`` maps the config to."""
     transformers = _transformers()
@@ -126,14 +126,15 @@ def data_config(name: str, model: nn.Module) -> Dict[str, Any]:
         return {"input_size": (channels, side, side), "interpolation": "bilinear", "mean": (0.5,) * channels,
                 "std": (0.5,) * channels, "crop_pct": 1.0, "crop_mode": "squash", "processor": None}
     size, crop = getattr(processor, "size", None), getattr(processor, "crop_size", None)
-    cropping = bool(getattr(processor, "do_center_crop", False)) and crop is not None
     height, width = _size(size, "height"), _size(size, "width")
     shortest = _size(size, "shortest_edge")
     if height and width:
         mode, scale = "squash", (height, width)
     else:
         mode, scale = "center", (shortest or side,) * 2
-    out = (_size(crop, "height"), _size(crop, "width")) if cropping else scale
+    crop_height, crop_width = _size(crop, "height"), _size(crop, "width")
+    cropping = bool(getattr(processor, "do_center_crop", False))
+    out = (crop_height, crop_width) if cropping and crop_height and crop_width else scale
     crop_pct = min(o / (s + 1e-6) for o, s in zip(out, scale))  # timm scales by floor(out / crop_pct)
     normalize = getattr(processor, "do_normalize", True)
     mean = tuple(processor.image_mean) if normalize else (0.0,) * channels

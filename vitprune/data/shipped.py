@@ -86,6 +86,6 @@ def load_test_subset(dataset: str) -> Tuple[torch.Tensor, torch.Tensor]:
 def data_config(model: torch.nn.Module) -> Dict[str, Any]:
     """timm's data config for one of vitprune's own models: greyscale at the model's size,
     normalised like ``datasets.to_input``, no resizing or cropping of images of that size."""
-    height, width = (int(s) for s in model.patch_embed.img_size)
+    height, width = (int(s) for s in getattr(model.patch_embed, "img_size"))
     return {"input_size": (1, height, width), "interpolation": "bilinear", "mean": (MEAN,), "std": (STD,),
             "crop_pct": 1.0, "crop_mode": "center"}

@@ -36,9 +36,15 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
             that give token merging the same saving.
     """
     depth = len(blocks_of(model))
-    amounts = [r] * depth if isinstance(r, int) and not isinstance(r, bool) else list(r)
+    wanted = f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}"
+    if isinstance(r, int) and not isinstance(r, bool):
+        amounts = [r] * depth
+    elif isinstance(r, Sequence) and not isinstance(r, str):
+        amounts = list(r)
+    else:
+        raise TypeError(wanted)
     if len(amounts) != depth or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in amounts):
-        raise ValueError(f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}")
+        raise ValueError(wanted)
     n = num_patches(model, img_size)
     rates = []
     for amount in amounts:

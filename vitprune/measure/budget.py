@@ -8,7 +8,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 from torch import nn
 
-from ..core.config import ALL_BLOCKS, SPREAD, PruneConfig, Stages
+from ..core.config import SPREAD, PruneConfig, Stages
 from ..core.grid import input_size, num_patches
 from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
@@ -19,8 +19,6 @@ _MIN_RATE = 1e-9  # every stage keeps one token
 
 def _config(rate: float, stages: Stages, fuse: Optional[bool], stride: Optional[int],
             options: Dict[str, Any]) -> PruneConfig:
-    if stages is not None and stages not in (ALL_BLOCKS, SPREAD):
-        stages = tuple(stages)
     return PruneConfig(keep_rate=rate, stages=stages, fuse=fuse, overlap_stride=stride, **options)
 
 
@@ -143,7 +141,7 @@ def overlap_options(
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
     found = []
-    for stride in range(min(model.patch_embed.patch_size), 0, -1):
+    for stride in range(min(getattr(model.patch_embed, "patch_size")), 0, -1):
         try:
             rate = fit_keep_rate(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size,
                                  overlap_stride=stride, **options)

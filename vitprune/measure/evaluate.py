@@ -83,7 +83,7 @@ def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> flo
 CLASS_ONLY_SUFFIX = {None: "", True: " class-only last", False: " full last"}
 
 
-def class_only_options(class_only_last: Optional[bool]) -> Dict[str, bool]:
+def class_only_options(class_only_last: Optional[bool]) -> Dict[str, Any]:
     """The ``patch`` option that forces ``class_only_last`` (none for ``None``: each method's own)."""
     return {} if class_only_last is None else {"class_only_last": class_only_last}
 
@@ -144,13 +144,14 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
                     settings.append(Setting(f"{method}{suffix} {share:.0%} FLOPs", method, rate, share,
                                             {**options, "keep_rate": rate}))
     if baseline:
-        targets = [(f"{share:.0%} FLOPs", share, share * unpruned) for share in budgets]
+        targets: List[Tuple[str, Optional[float], float]] = [(f"{share:.0%} FLOPs", share, share * unpruned)
+                                                             for share in budgets]
         forced = class_only_options(class_only_last)
         targets += [(f"at default keep {rate:g}", None, gflops_of(patch(scratch, keep_rate=rate, **forced), img_size))
                     for rate in keep_rates]
-        for text, share, gflops in targets:
+        for text, asked, gflops in targets:  # asked: the budget's share, None at a keep rate's FLOPs
             config = fit_merging(model, gflops, img_size) if gflops < unpruned else merging_config(model, 0, img_size)
-            settings.append(Setting(f"{MERGING} {text}", MERGING, None, share, {"config": config}))
+            settings.append(Setting(f"{MERGING} {text}", MERGING, None, asked, {"config": config}))
     for setting in settings[1:]:  # what patch would refuse, refused now
         apply_setting(scratch, setting)
     return settings

@@ -29,7 +29,7 @@ from ..core.config import PruneConfig, token_counts
 from ..core.grid import input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
-from ..core.registry import Family, family_of
+from ..core.registry import Family, attention_heads, family_of, own_attention
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
     """The tokens each block sees under ``config`` (``None``: unpruned)."""
     counts = (num_patches,) * depth
     if config is not None:
-        config = config.resolve(depth, num_patches)
-        counts = token_counts(config.keep_rate, config.stages, depth, num_patches, config.reduction == "fuse")
+        stages, rates = config.resolve(depth, num_patches).schedule()
+        counts = token_counts(rates, stages, depth, num_patches, config.reduction == "fuse")
     before = (num_patches,) + counts[:-1]
     return [BlockTokens(attn=num_prefix + a, mlp=num_prefix + m) for a, m in zip(before, counts)]
 
@@ -102,7 +102,8 @@ def _key_value_flops(attention: Sequence[nn.Module]) -> int:
     if isinstance(qkv, nn.Linear):
         return _linear_flops([qkv]) * 2 // 3
     projections = [getattr(module, name, None) for name in ("k_proj", "v_proj")]
-    return _linear_flops(projections) if all(isinstance(p, nn.Linear) for p in projections) else 0
+    linear = [p for p in projections if isinstance(p, nn.Linear)]
+    return _linear_flops(linear) if len(linear) == len(projections) else 0
 
 
 def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module], Sequence[nn.Module]],
@@ -147,8 +148,9 @@ def _timm_layout(model: nn.Module) -> _Layout:
         raise _refuse(model)
     head = getattr(model, "head", None)
     head_flops = head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
-    costs = _block_costs(blocks, lambda block: [block.attn], lambda block: block.attn.num_heads)
-    return _Layout(conv=embed.proj, width=model.embed_dim, blocks=costs, prefix=model.num_prefix_tokens,
+    vit: Any = model  # timm's attributes, untyped
+    costs = _block_costs(vit.blocks, lambda block: list(own_attention(block).values()), attention_heads)
+    return _Layout(conv=vit.patch_embed.proj, width=vit.embed_dim, blocks=costs, prefix=vit.num_prefix_tokens,
                    after_blocks=lambda tokens: head_flops)
 
 
@@ -236,6 +238,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
                 config = dataclasses.replace(config, class_only_last=False)
             config = config.resolve(depth, patches)
         schedule = token_schedule(config, depth, prefix, patches)
+        stages = () if config is None else config.schedule()[0]
         total = patches * C * conv.in_channels * kh * kw
         for index, (cost, tokens) in enumerate(zip(layout.blocks, schedule)):
             L = tokens.attn
@@ -243,7 +246,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
                 total += _class_only_flops(cost, L, prefix, C)
                 continue
             total += L * cost.attention + 2 * L * L * C + tokens.mlp * cost.rest
-            if config is not None and index in config.stages:
+            if config is not None and index in stages:
                 total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
         return total + layout.after_blocks(schedule[-1].mlp)
 

@@ -32,10 +32,15 @@ and ``transformers``').
     conv = patch_conv(model)
     if conv is None:
         raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
-    padding = (0, 0) if conv.padding == "valid" else conv.padding
-    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, padding
+    (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
     H, W = img_size
+    if isinstance(conv.padding, str):  # "valid": none; "same" (stride 1): (k - 1) // 2 before, a token per pixel
+        ph, pw = ((kh - 1) // 2, (kw - 1) // 2) if conv.padding == "same" else (0, 0)
+    else:
+        ph, pw = conv.padding
     rows, cols = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+    if conv.padding == "same":
+        rows, cols = H, W
     masks = torch.zeros(rows * cols, H, W, dtype=torch.bool)
     for r in range(rows):
         for c in range(cols):
@@ -214,15 +219,17 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         model(images)
     model.train(was_training)
     positions = kept_positions(model)
+    size = int(images.shape[-2]), int(images.shape[-1])
+    stages, rates = config.schedule()
     if show == "groups":
-        footprints = patch_footprints(model, tuple(images.shape[-2:]))
+        footprints = patch_footprints(model, size)
         panels = group_panels(display.cpu(), token_groups(model), footprints, dim)
     else:
-        panels = draw_panels(display.cpu(), kept_masks(model, tuple(images.shape[-2:]), positions), dim)
+        panels = draw_panels(display.cpu(), kept_masks(model, size, positions), dim)
 
     B, columns = panels.shape[:2]
     figure, axes = plt.subplots(B, columns, figsize=(panel_inches * columns, panel_inches * B), squeeze=False)
-    total = patch_footprints(model, tuple(images.shape[-2:])).shape[0]
+    total = patch_footprints(model, size).shape[0]
     for b in range(B):
         for c in range(columns):
             axis = axes[b][c]
@@ -237,11 +244,11 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
                         label = f"{positions[c - 1].shape[1]} tokens"
                     else:
                         label = f"{int((positions[c - 1][0] >= 0).sum())} kept"
-                    axis.set_title(f"after block {config.stages[c - 1]}: {label}", fontsize=9)
+                    axis.set_title(f"after block {stages[c - 1]}: {label}", fontsize=9)
         if titles is not None:
             axes[b][0].set_ylabel(titles[b], fontsize=9)
     method = f"{config.indicator}, {config.selection}" if config.indicator else config.selection
-    figure.suptitle(f"{method}, {config.reduction}, keep {config.keep_rate[0]:g}"
+    figure.suptitle(f"{method}, {config.reduction}, keep {rates[0]:g}"
                     + (f", stride {config.overlap_stride}" if config.overlap_stride else ""), fontsize=10)
     figure.tight_layout()
     return figure
