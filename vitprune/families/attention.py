@@ -9,7 +9,7 @@ needs the matrix, so pruning blocks of such models run timm's explicit attention
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,19 @@ from timm.models.vision_transformer import ParallelScalingBlock
 from torch import nn
 
 from ..core.state import Scored
+
+#: A timm or ``transformers`` attention module, read by attribute name: their attributes differ
+#: by family (``member`` reads the optional ones) and are untyped to a type checker.
+AttentionModule = Any
+
+
+class Dropout(Protocol):
+    """What :func:`attend` reads of an attention dropout: an ``nn.Dropout``, or a rate's."""
+
+    p: float
+    training: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_prefix: int,
@@ -55,7 +68,8 @@ def class_attention_row(q: torch.Tensor, k: torch.Tensor, scale: float, num_pref
 
 def join_scored(parts: "list[Scored]") -> Scored:
     """One :class:`Scored` for parallel attentions: their heads side by side."""
-    row = None if parts[0].row is None else torch.cat([p.row for p in parts], dim=1)
+    rows = [p.row for p in parts if p.row is not None]
+    row = torch.cat(rows, dim=1) if rows else None  # every part has one, or none does (``source``)
     return Scored(row, torch.cat([p.keys for p in parts], dim=1))
 
 
@@ -73,7 +87,7 @@ def attend(
         *,
         scale: float,
         fused: bool,
-        attn_drop: nn.Dropout,
+        attn_drop: Dropout,
         num_prefix: int,
         source: str,
         bias: Optional[torch.Tensor] = None,
@@ -130,7 +144,7 @@ def split_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
     return y.reshape(*y.shape[:-1], heads, y.shape[-1] // heads)
 
 
-def project_qkv(attn: torch.nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(attn: AttentionModule, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, v`` as ``(B, heads, N, d)`` through the module's own projections: a fused
     ``qkv`` (with EVA/BEiT's separate ``q_bias``/``k_bias``/``v_bias`` when present), or
     separate ``q_proj``/``k_proj``/``v_proj`` (grouped key/value heads allowed)."""
@@ -160,7 +174,7 @@ def rotate(t: torch.Tensor, rope: torch.Tensor, num_prefix: int, half: bool) -> 
 
 
 def attention_with_row(
-        attn: nn.Module,
+        attn: AttentionModule,
         x: torch.Tensor,
         num_prefix: int,
         source: str = "cls",
@@ -232,10 +246,11 @@ def parallel_scaling_with_row(
                       num_prefix=num_prefix, source=source, bias=bias)
     out = out.transpose(1, 2).reshape(B, L, C)
     x_mlp = block.mlp_drop(block.mlp_act(x_mlp))
-    if getattr(block, "out_proj", None) is not None:  # older timm (1.0.20) has only the split ones
-        y = block.out_proj(torch.cat((out, x_mlp), dim=-1))
+    out_proj = getattr(block, "out_proj", None)  # older timm (1.0.20) has only the split ones
+    if out_proj is not None:
+        y = out_proj(torch.cat((out, x_mlp), dim=-1))
     else:
-        y = block.attn_out_proj(out) + block.mlp_out_proj(x_mlp)
+        y = getattr(block, "attn_out_proj")(out) + getattr(block, "mlp_out_proj")(x_mlp)
     return x + block.drop_path(block.ls(y)), row
 
 
@@ -247,7 +262,7 @@ def prefix_rows(bias: Optional[torch.Tensor], num_prefix: int) -> Optional[torch
     return bias
 
 
-def prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
+def prefix_attention(attn: AttentionModule, x: torch.Tensor, num_prefix: int,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``attn(x)[:, :num_prefix]`` for timm's ``Attention``, without the other tokens' queries.
 

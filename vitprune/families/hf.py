@@ -20,7 +20,7 @@ nor ``output_attentions``, the last layer computes the prefix tokens alone.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +41,8 @@ from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassi
 
 from ..core.grid import vision_config
 from ..core.registry import REFUSED, Family, no_extras, register
-from ..core.state import Scored, in_backward
-from .attention import attend, member, prefix_rows, split_heads
+from ..core.state import PruneState, Scored, in_backward
+from .attention import AttentionModule, attend, member, prefix_rows, split_heads
 from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
 from .pooling import size_weighted_mean
@@ -58,12 +58,12 @@ class _Dropout:
         return F.dropout(x, self.p, self.training)
 
 
-def _num_heads(attn: nn.Module) -> int:
+def _num_heads(attn: AttentionModule) -> int:
     """Heads of a ``transformers`` attention module (``num_attention_heads`` or ``num_heads``)."""
     return member(attn, "num_attention_heads") or attn.num_heads
 
 
-def _attend(attn: nn.Module, queries: torch.Tensor, x: torch.Tensor, num_prefix: int, source: str,
+def _attend(attn: AttentionModule, queries: torch.Tensor, x: torch.Tensor, num_prefix: int, source: str,
             bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
     """A ``transformers`` attention module (``q_proj``/``k_proj``/``v_proj`` and ``o_proj`` or
     ``out_proj``) through vitprune's path, with queries from ``queries`` and keys and values
@@ -82,13 +82,13 @@ def _attend(attn: nn.Module, queries: torch.Tensor, x: torch.Tensor, num_prefix:
     return project(out), scored
 
 
-def hf_attention_with_row(attn: nn.Module, x: torch.Tensor, num_prefix: int, source: str,
+def hf_attention_with_row(attn: AttentionModule, x: torch.Tensor, num_prefix: int, source: str,
                           bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
     """A ``transformers`` attention module through vitprune's path (see :func:`_attend`)."""
     return _attend(attn, x, x, num_prefix, source, bias)
 
 
-def hf_prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
+def hf_prefix_attention(attn: AttentionModule, x: torch.Tensor, num_prefix: int,
                         bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``hf_attention_with_row(attn, x, ...)[0][:, :num_prefix]`` without the other tokens'
     queries (``class_only_last``): keys and values from every token."""
@@ -96,7 +96,8 @@ def hf_prefix_attention(attn: nn.Module, x: torch.Tensor, num_prefix: int,
 
 
 #: Per layer class: (first norm, attention, layer scale 1, dropout, second norm, MLP, layer scale 2).
-_NAMES = {
+_Names = Tuple[str, str, Optional[str], Optional[str], str, str, Optional[str]]
+_NAMES: Dict[type, _Names] = {
     ViTLayer: ("layernorm_before", "attention", None, "dropout", "layernorm_after", "mlp", None),
     DeiTLayer: ("layernorm_before", "attention", None, "dropout", "layernorm_after", "mlp", None),
     Dinov2Layer: ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
@@ -110,7 +111,7 @@ class _HFLayer(PruningBlock):
     """A ``transformers`` pre-norm layer from the first stage on: ``x + drop(scale(attn(norm1(x))))``,
     reduce, ``x + drop(scale(mlp(norm2(x))))``, with its own submodules."""
 
-    _vitprune_names: Tuple[Optional[str], ...]
+    _vitprune_names: "_Names"
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 **kwargs: Any) -> torch.Tensor:
@@ -228,7 +229,7 @@ def _prefix(extra: int = 0):
     return prefix
 
 
-def _model_class(original: type, body: Optional[type] = None) -> type:
+def _model_class(original: Type[nn.Module], body: Optional[Any] = None) -> type:
     """The class a patched model has: its own, unless the patch changes its ``forward``
     (the classifiers below: DINOv2's pooling, ViT's and DeiT's ``class_only_last``). Keeping
     the class matters where the model records its layers' outputs itself (the backbones):
@@ -275,7 +276,23 @@ def _asks(model: nn.Module, kwargs: Dict[str, Any], name: str) -> bool:
     return value is not None and value is not False
 
 
-class _ClassTokenClassifier:
+if TYPE_CHECKING:
+    class _HFModel(nn.Module):
+        """For type checkers only: what the ``transformers`` model class that a classifier class
+        below is mixed into gives it, and what ``patch`` sets."""
+
+        vitprune_state: PruneState
+        config: Any
+        base_model_prefix: str
+        classifier: Any
+        loss_function: Any
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any: ...
+else:
+    _HFModel = object
+
+
+class _ClassTokenClassifier(_HFModel):
     """A ViT or DeiT classifier while patched: with ``class_only_last`` its last layer computes
     the prefix tokens alone, all its head reads, unless the call asks for the hidden states
     or attentions (then every layer runs whole, and ``transformers`` records every token)."""
@@ -287,7 +304,7 @@ class _ClassTokenClassifier:
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
 
-class _Dinov2Classifier:
+class _Dinov2Classifier(_HFModel):
     """DINOv2's classifier reads the class token and the mean of the patch tokens: the mean
     is weighted by how many patches each token stands for, as in timm's average pooling."""
 

@@ -15,7 +15,7 @@ bias; rope; relative bias).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
@@ -38,6 +38,20 @@ class PruningBlock:
     vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows a stage
     vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
     vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out in forward
+    # the block's own submodules the layouts call, as each timm block class types them
+    attn: Any
+    norm1: Any
+    norm2: Any
+    mlp: Any
+    drop_path1: Any
+    drop_path2: Any
+
+    if TYPE_CHECKING:  # the timm block's forward (``super().forward``), and a layout's (below)
+        def forward(self, *args: Any, **kwargs: Any) -> Any: ...
+
+        def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor: ...
+
+        def _vitprune_prefix_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor: ...
 
     def _vitprune_begin(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The size-aware attention bias for ``x`` (see ``PruneState.begin``)."""
@@ -65,7 +79,7 @@ class PruningBlock:
         raise NotImplementedError
 
 
-def _scaled(block: torch.nn.Module, branch: int, out: torch.Tensor) -> torch.Tensor:
+def _scaled(block: object, branch: int, out: torch.Tensor) -> torch.Tensor:
     """A branch's output times its layer scale: timm's ``ls1``/``ls2`` modules, or Eva's and
     BEiT's ``gamma_1``/``gamma_2`` parameters (``None``: no scale)."""
     scale = getattr(block, f"ls{branch}", None)

@@ -25,7 +25,7 @@ Changed methods, which differ from timm's only while a forward pruned something:
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 import torch
 from timm.models._features import feature_take_indices
@@ -33,6 +33,36 @@ from timm.models._features import feature_take_indices
 from ..core.config import keep_count
 from ..core.registry import family_of
 from ..core.tokens import is_compiling
+
+
+if TYPE_CHECKING:
+    from ..core.state import PruneState
+
+    class _TimmModel(torch.nn.Module):
+        """For type checkers only: what the timm model class that a patched class mixes these
+        classes into gives them, and what ``patch`` sets."""
+
+        vitprune_state: PruneState
+        num_prefix_tokens: int
+        global_pool: Any
+        attn_pool: Any
+        patch_embed: Any
+        blocks: Any
+        fc_norm: Any
+        head_drop: Any
+        head: Any
+
+        def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
+
+        def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor: ...
+
+        def forward_intermediates(self, *args: Any, **kwargs: Any) -> Any: ...
+
+        def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor: ...
+
+        def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None": ...
+else:
+    _TimmModel = object
 
 
 #: The attribute ``forward_features`` sets on the features it returns: their token sizes.
@@ -52,7 +82,7 @@ def _mark(features: torch.Tensor, sizes: "torch.Tensor | None") -> torch.Tensor:
     return features
 
 
-class PrunedModel:
+class PrunedModel(_TimmModel):
     """What every patched model class adds to its timm class (see the module docs)."""
 
     #: The parameters of the timm class's ``forward_intermediates`` after ``self``, in order, and
@@ -105,7 +135,8 @@ class PrunedModel:
         tokens alone while the head reads the class token alone (checked at every call: a
         model whose pooling changed since ``patch`` runs the whole block, exactly)."""
         state = self.vitprune_state
-        head_only = bool(state.config.class_only_last) and family_of(self).class_only(self) is None
+        family = family_of(self) if state.config.class_only_last else None
+        head_only = family is not None and family.class_only(self) is None
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -144,7 +175,8 @@ class PrunedModel:
         state = self.vitprune_state
         state.head_only = False  # every token, through every block
         images = options["x"]
-        grid = tuple(int(side) for side in self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:])))
+        height, width = self.patch_embed.dynamic_feat_size(tuple(images.shape[-2:]))
+        grid = int(height), int(width)
         first = self._vitprune_first_pruning_block(grid[0] * grid[1])
         take, _ = feature_take_indices(len(self.blocks), options["indices"])
         blocks = sorted(set(int(i) for i in take))  # the order timm appends them in
@@ -165,8 +197,7 @@ class PrunedModel:
 
     def _vitprune_first_pruning_block(self, n: int) -> "int | None":
         """The first block that drops tokens of ``n`` patches, or ``None``."""
-        config = self.vitprune_state.config
-        for index, rate in zip(config.stages, config.keep_rate):
+        for index, rate in zip(*self.vitprune_state.config.schedule()):
             if keep_count(rate, n) < n:  # until a stage prunes, every stage sees all n patches
                 return index
         return None
@@ -193,7 +224,7 @@ def _spread_intermediates(model: Any, out: Any, blocks: "list[int]", grid: "tupl
     return convert(out)
 
 
-class MeanPoolingHead:
+class MeanPoolingHead(_TimmModel):
     """For models whose ``forward_head`` averages inline (BEiT, relpos): the same, size-weighted."""
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -9,7 +9,7 @@ bias to and from every token (it stands for many places). Prefix tokens keep the
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from timm.models.beit import Attention as BeitAttention
@@ -56,7 +56,8 @@ def full_bias(attn: torch.nn.Module, shared: Optional[torch.Tensor]) -> Optional
         if own is None:
             return shared
         return own if shared is None else own + shared
-    return attn.rel_pos.get_bias() if attn.rel_pos is not None else shared
+    rel_pos: Any = attn.rel_pos  # timm's RelPosAttention: a RelPosMlp, RelPosBias or None
+    return rel_pos.get_bias() if rel_pos is not None else shared
 
 
 class _BiasBlock(PruningBlock):

@@ -11,7 +11,7 @@ on all tokens and reduces its output.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from timm.layers import Attention
@@ -19,7 +19,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import (Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
                                             VisionTransformer)
 
-from ..core.registry import Family, original_block_class, register
+from ..core.registry import Family, attention_heads, original_block_class, own_attention, register, timm_blocks
 from ..core.state import Scored
 from .attention import attention_with_row, join_scored, parallel_scaling_with_row, prefix_attention
 from .layouts import PreNorm, PruningBlock, ResPost, refuse_masks
@@ -58,6 +58,9 @@ class PruneResPostBlock(_ViTBlock, ResPost, ResPostBlock):
 class PruneParallelThingsBlock(_ViTBlock, ParallelThingsBlock):
     """timm ``ParallelThingsBlock``: parallel attentions, reduce, parallel MLPs."""
 
+    attns: Any  # timm's ModuleLists of branches
+    ffns: Any
+
     def _vitprune_forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         state, outs, parts = self.vitprune_state, [], []
         for branch in self.attns:
@@ -92,7 +95,7 @@ def class_only_reason(model: torch.nn.Module) -> Optional[str]:
     if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
         return (f"the head must read the class token alone (global_pool='token'), but this model pools "
                 f"with global_pool={model.global_pool!r}, which reads every token of the last block")
-    last = model.blocks[-1]
+    last = timm_blocks(model)[-1]
     kind, attn = original_block_class(last), getattr(last, "attn", None)
     if kind not in (Block, ResPostBlock):
         return f"the last block must be a timm Block or ResPostBlock, but it is a {kind.__name__}"
@@ -105,10 +108,10 @@ def class_only_reason(model: torch.nn.Module) -> Optional[str]:
 def attention_modules(block: torch.nn.Module) -> Dict[str, torch.nn.Module]:
     """The attention modules a pruning block runs itself, by name, for the type check."""
     if isinstance(block, ParallelThingsBlock):
-        return {f"attns.{i}.attn": branch.attn for i, branch in enumerate(block.attns)}
+        return {f"attns.{i}.attn": own_attention(branch)["attn"] for i, branch in enumerate(block.attns)}
     if isinstance(block, ParallelScalingBlock):
         return {}
-    return {"attn": block.attn}
+    return own_attention(block)
 
 
 def scored_heads(block: torch.nn.Module) -> int:
@@ -116,8 +119,8 @@ def scored_heads(block: torch.nn.Module) -> int:
     if isinstance(block, ParallelScalingBlock):
         return block.num_heads
     if isinstance(block, ParallelThingsBlock):
-        return sum(branch.attn.num_heads for branch in block.attns)
-    return block.attn.num_heads
+        return sum(attention_heads(branch) for branch in block.attns)
+    return attention_heads(block)
 
 
 #: Original block class -> its pruning subclass.
