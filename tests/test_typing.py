@@ -24,7 +24,7 @@ def test_the_package_marks_itself_typed():
 @pytest.fixture(scope="module")
 def mypy_cache(tmp_path_factory):
     pytest.importorskip("mypy")
-    return str(tmp_path_factory.mktemp("mypy_cache"))  # shared: torch's stubs are read once
+    return str(tmp_path_factory.mktemp("mypy_cache"))  # one cache for both checks
 
 
 def run_mypy(cache, *arguments):
