@@ -148,6 +148,17 @@ def test_fit_keep_rate_refuses_what_patch_refuses(target, options, error, match)
         vitprune.fit_keep_rate(tiny(), target, **options)
 
 
+def test_the_fits_read_stages_given_as_an_iterator_as_the_same_blocks_in_a_list():
+    # patch accepts any iterable; the fits build a config per bisection step, so a one-pass
+    # iterator must not be spent by the first one
+    model = tiny()
+    target = 0.6 * vitprune.analytic_flops(model) / 1e9
+    listed = vitprune.fit_keep_rate(model, target, stages=[1, 2])
+    assert listed < 1.0 and vitprune.fit_keep_rate(model, target, stages=iter([1, 2])) == listed
+    assert (vitprune.overlap_options(model, target, stages=(s for s in (1, 2)))
+            == vitprune.overlap_options(model, target, stages=[1, 2]))
+
+
 def test_fit_keep_rate_refuses_a_model_patch_cannot_take():
     with pytest.raises(TypeError, match="cannot patch a timm.models.resnet.ResNet"):
         vitprune.fit_keep_rate(timm.create_model("resnet18"), 1.0)

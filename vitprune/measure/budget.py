@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 from torch import nn
 
@@ -15,6 +15,11 @@ from .flops import flop_counter, schedule_flops
 
 _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
+
+
+def _read_once(stages: Stages) -> Stages:
+    """``stages`` kept for many configs: an iterator (which ``patch`` accepts) read into a tuple."""
+    return tuple(stages) if isinstance(stages, Iterator) else stages
 
 
 def _config(rate: float, stages: Stages, fuse: Optional[bool], stride: Optional[int],
@@ -79,6 +84,7 @@ def fit_keep_rate(
             one token per stage costs.
     """
     _check_target(target_gflops)
+    stages = _read_once(stages)
     check_options({**options, "stages": stages, "fuse": fuse, "overlap_stride": overlap_stride})
     _check_fit(model, _config(1.0, stages, fuse, overlap_stride, options), img_size)
     target = target_gflops * 1e9
@@ -140,6 +146,7 @@ def overlap_options(
     """
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
+    stages = _read_once(stages)
     found = []
     for stride in range(min(getattr(model.patch_embed, "patch_size")), 0, -1):
         try:
