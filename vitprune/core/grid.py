@@ -93,9 +93,25 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
     sizes: Tuple[int, ...] = input_size(model, img_size)
     if getattr(embed, "dynamic_img_pad", False):
         sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, _pair(getattr(embed, "patch_size"))))
-    if conv.padding == "same":  # only allowed with stride 1: one token per pixel
-        return sizes[0] * sizes[1]
-    strides = conv.stride if stride is None else (stride, stride)
-    padding = (0, 0) if isinstance(conv.padding, str) else conv.padding  # "valid", "same" having returned
-    grid = [(s + 2 * p - k) // st + 1 for s, p, k, st in zip(sizes, padding, conv.kernel_size, strides)]
-    return grid[0] * grid[1]
+    rows, cols = conv_grid(conv, (sizes[0], sizes[1]), stride)
+    return rows * cols
+
+
+def conv_padding(conv: nn.Conv2d) -> Tuple[int, int]:
+    """Pixels ``conv`` pads before its first row and column: none for ``"valid"``, torch's
+    ``(k - 1) // 2`` for ``"same"`` (which pads the rest after), else its own padding."""
+    if conv.padding == "same":
+        return (conv.kernel_size[0] - 1) // 2, (conv.kernel_size[1] - 1) // 2
+    if isinstance(conv.padding, str):  # "valid"
+        return 0, 0
+    return conv.padding[0], conv.padding[1]
+
+
+def conv_grid(conv: nn.Conv2d, img_size: Tuple[int, int], stride: Optional[int] = None) -> Tuple[int, int]:
+    """Rows and columns of tokens ``conv`` makes from an ``img_size`` input (``stride``
+    overriding its own): ``(L + 2 p - k) // s + 1`` per side, one per pixel with ``"same"``."""
+    if conv.padding == "same":  # only allowed with stride 1
+        return img_size
+    (ph, pw), (kh, kw) = conv_padding(conv), conv.kernel_size
+    sh, sw = conv.stride if stride is None else (stride, stride)
+    return (img_size[0] + 2 * ph - kh) // sh + 1, (img_size[1] + 2 * pw - kw) // sw + 1

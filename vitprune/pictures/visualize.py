@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import SHOW, Show, pyplot
-from ..core.grid import patch_conv
+from ..core.grid import conv_grid, conv_padding, patch_conv
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 
 if TYPE_CHECKING:  # matplotlib is an optional extra, imported when a figure is drawn
@@ -32,15 +32,9 @@ and ``transformers``').
     conv = patch_conv(model)
     if conv is None:
         raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
-    (kh, kw), (sh, sw) = conv.kernel_size, conv.stride
+    (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv_padding(conv)
     H, W = img_size
-    if isinstance(conv.padding, str):  # "valid": none; "same" (stride 1): (k - 1) // 2 before, a token per pixel
-        ph, pw = ((kh - 1) // 2, (kw - 1) // 2) if conv.padding == "same" else (0, 0)
-    else:
-        ph, pw = conv.padding
-    rows, cols = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
-    if conv.padding == "same":
-        rows, cols = H, W
+    rows, cols = conv_grid(conv, (H, W))
     masks = torch.zeros(rows * cols, H, W, dtype=torch.bool)
     for r in range(rows):
         for c in range(cols):
@@ -221,15 +215,15 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
     positions = kept_positions(model)
     size = int(images.shape[-2]), int(images.shape[-1])
     stages, rates = config.schedule()
+    footprints = patch_footprints(model, size)
     if show == "groups":
-        footprints = patch_footprints(model, size)
         panels = group_panels(display.cpu(), token_groups(model), footprints, dim)
     else:
         panels = draw_panels(display.cpu(), kept_masks(model, size, positions), dim)
 
     B, columns = panels.shape[:2]
     figure, axes = plt.subplots(B, columns, figsize=(panel_inches * columns, panel_inches * B), squeeze=False)
-    total = patch_footprints(model, size).shape[0]
+    total = footprints.shape[0]
     for b in range(B):
         for c in range(columns):
             axis = axes[b][c]
