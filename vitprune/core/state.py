@@ -146,7 +146,6 @@ class PruneState:
     def __init__(self, config: PruneConfig, num_prefix: int, generator: Optional[torch.Generator],
                  row_source: str = "cls") -> None:
         self.config = config
-        self.keep_rates = config.schedule()[1]  # per stage number (a resolved config's)
         self.num_prefix = num_prefix
         self.generator = generator
         self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
@@ -289,7 +288,7 @@ class PruneState:
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
         row = scored.row  # given exactly when ``needs_scores`` (``row_source``)
         scores = self.scores(row) if row is not None else None
-        k = keep_count(self.keep_rates[stage], n)
+        k = keep_count(config.schedule()[1][stage], n)  # the resolved config's rate for this stage
         sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
             records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))
