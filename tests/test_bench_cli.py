@@ -113,6 +113,6 @@ def test_bench_class_only_last_reaches_every_method_and_the_rows(tmp_path, flag,
 
 
 def test_the_merging_baseline_needs_analytic_flops(capsys):
-    assert main(["bench", "--model", "eva02_tiny_patch14_224", "--img-size", "56", "--batch", "1", "--rounds", "1",
+    assert main(["bench", "--model", "vit_tiny_r_s16_p8_224", "--img-size", "64", "--batch", "1", "--rounds", "1",
                  "--warmup", "0", "--no-memory", "--no-progress", "--keep-rates", "0.7", "--baseline", "merge"]) == 2
     assert "--baseline merge fits token merging to the analytic FLOPs" in capsys.readouterr().err

@@ -6,9 +6,16 @@ import torch
 
 import vitprune
 from conftest import PAPER
+from timm.layers import ConvMlp
+from timm.models.vision_transformer import Block
 from vitprune.measure.budget import fit_keep_rate
 from vitprune.core.grid import num_patches
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
+
+
+
+class OwnBlock(Block):
+    """A block class of a user's own, which ``patch`` does not know."""
 
 
 @pytest.fixture(scope="module")
@@ -87,13 +94,49 @@ def test_fit_keep_rate_with_custom_stages_and_no_fusion(deit_small):
     assert schedule_flops(deit_small, config) <= 3e9
 
 
-@pytest.mark.parametrize("name, kwargs", [
+#: One small model per block and pooling kind the analytic count reads, with fvcore as the
+#: independent count. ``depth=1`` where a pooling attention follows the blocks, so that
+#: leaving its cost out (the keys and values of every token) would miss by far more than 1 %.
+FAMILIES = [
+    ("vit_tiny_patch16_224", {"img_size": 64, "depth": 2}),  # Block
+    ("vit_base_patch16_rpn_224", {"img_size": 64, "depth": 2}),  # ResPostBlock, no class token
+    ("vit_small_patch16_18x2_224", {"depth": 1}),  # ParallelThingsBlock: 197 tokens, so both products count
     ("vit_base_patch16_xp_224", {"img_size": 64, "depth": 2}),  # ParallelScalingBlock
-    ("vit_tiny_r_s16_p8_224", {"img_size": 64}),  # CNN stem
-    ("eva02_tiny_patch14_224", {"img_size": 56, "depth": 2}),
+    ("vit_base_patch16_siglip_224", {"img_size": 64, "depth": 1}),  # attention pool (map)
+    ("eva02_tiny_patch14_224", {"img_size": 56, "depth": 2}),  # rope, SwiGLU
+    ("vit_pe_core_small_patch16_384", {"img_size": 64, "depth": 1}),  # rope, attention pool
+    ("beit_base_patch16_224", {"img_size": 64, "depth": 2}),  # relative position bias
+    ("vit_relpos_medium_patch16_rpn_224", {"img_size": 64, "depth": 2}),  # relpos, res-post
+]
+
+
+@pytest.mark.parametrize("name, kwargs", FAMILIES, ids=[name for name, _ in FAMILIES])
+def test_analytic_and_traced_counts_agree_on_every_family(name, kwargs):
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).eval()
+    for options in (None, {"keep_rate": 0.6}, {"keep_rate": 0.6, **PAPER}):
+        if options is not None:
+            vitprune.patch(model, **options)
+        traced, analytic = count_flops(model), analytic_flops(model)
+        assert abs(traced - analytic) / traced < 0.01, (options, traced, analytic)
+
+
+def test_fit_keep_rate_meets_the_budget_on_a_rope_model():
+    model = timm.create_model("eva02_tiny_patch14_224", img_size=112, depth=4).eval()
+    target = 0.6 * analytic_flops(model) / 1e9
+    rate = fit_keep_rate(model, target)
+    reached = schedule_flops(model, vitprune.PruneConfig(keep_rate=rate))
+    assert reached <= target * 1e9 < schedule_flops(model, vitprune.PruneConfig(keep_rate=min(1.0, rate + 0.02)))
+    vitprune.patch(model, keep_rate=rate)
+    assert abs(count_flops(model) / (target * 1e9) - 1) < 0.02
+
+
+@pytest.mark.parametrize("name, kwargs, why", [
+    ("vit_tiny_r_s16_p8_224", {"img_size": 64}, "has a CNN stem"),
+    ("vit_tiny_patch16_224", {"img_size": 32, "depth": 1, "mlp_layer": ConvMlp}, "has convolutions inside its blocks"),
+    ("vit_tiny_patch16_224", {"img_size": 32, "depth": 1, "block_fn": OwnBlock}, "has blocks of a kind"),
 ])
-def test_analytic_flops_refuses_models_its_formula_does_not_describe(name, kwargs):
+def test_analytic_flops_refuses_models_its_formula_does_not_describe(name, kwargs, why):
     model = timm.create_model(name, **kwargs)
-    with pytest.raises(TypeError, match="use vitprune.count_flops"):
+    with pytest.raises(TypeError, match=f"{why}.*use vitprune.count_flops"):
         vitprune.analytic_flops(model)
-    assert vitprune.count_flops(model) > 0

@@ -199,8 +199,8 @@ def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: 
                                         size) / 1e9
             except TypeError:
                 raise TypeError(f"--baseline merge fits token merging to the analytic FLOPs, which do not cover "
-                                f"this {type(model).__name__} (plain timm ViT blocks and transformers ViTs "
-                                f"do)") from None
+                                f"this {type(model).__name__} (they cover every family vitprune patches except the "
+                                f"hybrids, whose CNN stem they do not model)") from None
             settings.append(Setting(MERGING, rate, fitted=fit_merging(model, target, size)))
     return settings
 

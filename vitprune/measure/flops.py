@@ -10,7 +10,9 @@ Two independent counts that cross-check each other:
   embedding, per block the qkv / attention / projection / MLP products at the number of
   tokens each sees, the scoring row and fusion in pruning blocks, and the head. Norms,
   activations and softmaxes are left out (fvcore counts norms: about 0.2 %). It covers
-  timm ViTs of plain blocks and the ``transformers`` ViTs vitprune patches.
+  every family vitprune patches (timm and ``transformers``) except the hybrids, whose CNN
+  stem it does not model; a pooling attention after the blocks is counted at the tokens
+  it reads.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from timm.models.vision_transformer import Block, ResPostBlock
+from timm.layers import AttentionPoolLatent
+from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostBlock
 from torch import nn
 
 from ..core.config import PruneConfig, token_counts
 from ..core.grid import input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
-from ..core.registry import Family, attention_heads, family_of, own_attention
+from ..core.registry import Family, attention_heads, family_of, original_block_class, own_attention
 
 
 @dataclass(frozen=True)
@@ -82,14 +85,17 @@ def _linear_flops(modules: Iterable[nn.Module]) -> int:
 class _BlockCost(NamedTuple):
     """One block's products per token: its attention modules' Linear layers (at the tokens
     the attention sees), its other Linear layers (the MLP, at the tokens after the
-    reduction), the heads of its scored attention, and of ``attention`` the key and value
+    reduction), the heads of its scored attention, of ``attention`` the key and value
     projections' (two thirds of a fused ``qkv``, or ``k_proj`` and ``v_proj``; 0 where it
-    has neither)."""
+    has neither), and ``width``, the query-key and attention-value width (``heads x
+    head_dim``, summed over parallel attentions). A block that runs whole before its
+    reduction (``ParallelScalingBlock``) has all its Linear layers in ``attention``."""
 
     attention: int
     rest: int
     heads: int
-    keys_values: int = 0
+    keys_values: int
+    width: int
 
 
 def _key_value_flops(attention: Sequence[nn.Module]) -> int:
@@ -106,16 +112,24 @@ def _key_value_flops(attention: Sequence[nn.Module]) -> int:
     return _linear_flops(linear) if len(linear) == len(projections) else 0
 
 
-def _block_costs(blocks: Iterable[nn.Module], attention_of: Callable[[nn.Module], Sequence[nn.Module]],
-                 heads_of: Callable[[nn.Module], int]) -> Tuple[_BlockCost, ...]:
-    costs = []
-    for block in blocks:
-        attention = attention_of(block)
-        inside = {id(m) for module in attention for m in module.modules()}
-        rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
-        costs.append(_BlockCost(_linear_flops(attention), _linear_flops(rest), heads_of(block),
-                                _key_value_flops(attention)))
-    return tuple(costs)
+def _attention_width(module: nn.Module, default: int) -> int:
+    """``num_heads x head_dim`` of an attention module that says both, else ``default``."""
+    heads, head_dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    return heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else default
+
+
+def _block_cost(block: nn.Module, family: Optional[Family], width: int) -> _BlockCost:
+    """What one block multiplies per token; ``width`` is the model's, for attention modules
+    that do not say theirs."""
+    if isinstance(block, ParallelScalingBlock):  # attention and MLP from one projection, on all tokens
+        return _BlockCost(_linear_flops([block]), 0, block.num_heads, 0, _attention_width(block, width))
+    attention_of, heads_of = (family.attention_modules, family.heads) if family else (own_attention, attention_heads)
+    attention = list(attention_of(block).values())
+    inside = {id(m) for module in attention for m in module.modules()}
+    rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+    return _BlockCost(attention=_linear_flops(attention), rest=_linear_flops(rest), heads=heads_of(block),
+                      keys_values=_key_value_flops(attention),
+                      width=sum(_attention_width(module, width) for module in attention))
 
 
 @dataclass(frozen=True)
@@ -131,70 +145,64 @@ class _Layout:
     after_blocks: Callable[[int], int]
 
 
-def _refuse(model: nn.Module) -> TypeError:
+def _refuse(model: nn.Module, why: str) -> TypeError:
     return TypeError(
-        f"analytic FLOPs cover timm ViTs with Block or ResPostBlock blocks (Linear MLP) and a convolutional "
-        f"patch embedding, and the transformers ViTs vitprune patches; use vitprune.count_flops (fvcore) for "
-        f"this {type(model).__name__}")
+        f"analytic FLOPs cover the ViTs vitprune patches (timm and transformers) whose patch embedding is one "
+        f"convolution and whose blocks multiply by Linear layers only; this {type(model).__name__} {why}: "
+        f"use vitprune.count_flops (fvcore), which traces whatever the model does")
 
 
-def _timm_layout(model: nn.Module) -> _Layout:
-    blocks = getattr(model, "blocks", None)
-    plain = blocks is not None and all(
-        isinstance(b, (Block, ResPostBlock)) and isinstance(getattr(getattr(b, "mlp", None), "fc1", None), nn.Linear)
-        for b in blocks)
-    embed = getattr(model, "patch_embed", None)
-    if not plain or not isinstance(getattr(embed, "proj", None), nn.Conv2d) or hasattr(embed, "backbone"):
-        raise _refuse(model)
-    head = getattr(model, "head", None)
-    head_flops = head.in_features * head.out_features if isinstance(head, nn.Linear) else 0
-    vit: Any = model  # timm's attributes, untyped
-    costs = _block_costs(vit.blocks, lambda block: list(own_attention(block).values()), attention_heads)
-    return _Layout(conv=vit.patch_embed.proj, width=vit.embed_dim, blocks=costs, prefix=vit.num_prefix_tokens,
-                   after_blocks=lambda tokens: head_flops)
+def _pool_flops(pool: nn.Module, tokens: int) -> int:
+    """A pooling attention after the blocks over ``tokens``: learned queries (one for
+    ``nn.MultiheadAttention``, ``latent_len`` for timm's ``AttentionPoolLatent``) take
+    their projections, the products and the layers after them; every token its keys and
+    values."""
+    if isinstance(pool, nn.MultiheadAttention):
+        C = pool.embed_dim
+        return C * C + 2 * tokens * C * C + 2 * tokens * C + C * C
+    latent: Any = pool  # timm's AttentionPoolLatent, its attributes untyped
+    queries, keys_values = latent.latent_len, _linear_flops([latent.kv])
+    return (tokens * keys_values + queries * (_linear_flops([pool]) - keys_values)
+            + 2 * queries * tokens * _attention_width(pool, 0))
 
 
-def _pooling_attention_flops(attention: nn.MultiheadAttention, tokens: int) -> int:
-    """One query (a learned probe) attending over ``tokens``: its projections, the keys and
-    values of every token, the two products and the output projection."""
-    C = attention.embed_dim
-    return C * C + 2 * tokens * C * C + 2 * tokens * C + C * C
-
-
-def _library_layout(model: nn.Module, family: Family) -> _Layout:
-    """A model of a registered family from another library (``transformers``): every Linear
-    after the blocks sees one token (pooled or class token), a pooling attention all of them."""
-    blocks = family.blocks_of(model)
-    conv = patch_conv(model)
-    if conv is None:
-        raise _refuse(model)
-    in_blocks = {id(m) for m in blocks.modules()}
-    pools = [m for m in model.modules() if isinstance(m, nn.MultiheadAttention) and id(m) not in in_blocks]
-    in_pools = {id(m) for pool in pools for m in pool.modules()}
-    once = [m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in in_blocks | in_pools]
-    once_flops = _linear_flops(once)
-
-    def after_blocks(tokens: int) -> int:
-        return once_flops + sum(_pooling_attention_flops(pool, tokens) for pool in pools)
-
-    costs = _block_costs(blocks, lambda block: list(family.attention_modules(block).values()), family.heads)
-    return _Layout(conv=conv, width=conv.out_channels, blocks=costs, prefix=family.prefix_of(model),
-                   after_blocks=after_blocks)
+def _known_block(block: nn.Module, family: Optional[Family]) -> bool:
+    """A block of a class its family's ``patch`` swaps (exactly), or, in a model of no
+    family, a plain timm block."""
+    return original_block_class(block) in family.blocks if family else isinstance(block, (Block, ResPostBlock))
 
 
 def _layout(model: nn.Module) -> _Layout:
     family = family_of(model)
-    if family is not None and family.library != "timm":
-        return _library_layout(model, family)
-    return _timm_layout(model)
+    blocks = family.blocks_of(model) if family else getattr(model, "blocks", None)
+    conv, embed = patch_conv(model), getattr(model, "patch_embed", None)
+    if conv is None or hasattr(embed, "backbone"):
+        raise _refuse(model, "has a CNN stem or no patch convolution")
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not all(_known_block(b, family) for b in blocks):
+        raise _refuse(model, "has blocks of a kind vitprune does not patch")
+    if any(isinstance(m, nn.modules.conv._ConvNd) for m in blocks.modules()):
+        raise _refuse(model, "has convolutions inside its blocks")
+    width, in_blocks = conv.out_channels, {id(m) for m in blocks.modules()}
+    pools = [m for m in model.modules()
+             if isinstance(m, (nn.MultiheadAttention, AttentionPoolLatent)) and id(m) not in in_blocks]
+    skip = {id(m) for part in (blocks, embed, *pools) if isinstance(part, nn.Module) for m in part.modules()}
+    once = _linear_flops(m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
+
+    def after_blocks(tokens: int) -> int:  # heads read one pooled (or class) token; a pool reads all
+        return once + sum(_pool_flops(pool, tokens) for pool in pools)
+
+    return _Layout(conv=conv, width=width, blocks=tuple(_block_cost(b, family, width) for b in blocks),
+                   prefix=family.prefix_of(model) if family else getattr(model, "num_prefix_tokens", 0),
+                   after_blocks=after_blocks)
 
 
 def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
     """FLOPs of one image through ``model`` (patched or not), from its token schedule.
 
     Args:
-        model: A timm ``VisionTransformer`` with ``Block`` or ``ResPostBlock`` blocks, or a
-            ``transformers`` ViT that ``patch`` accepts.
+        model: A ViT of a family ``patch`` accepts (timm or ``transformers``) with a
+            convolutional patch embedding (not a hybrid's CNN stem), or a timm ViT of
+            ``Block`` or ``ResPostBlock`` blocks.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
     """
     return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size)
@@ -209,8 +217,9 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     when set, replaces the patch embedding's stride.
 
     Raises:
-        TypeError: For models this formula does not describe (parallel blocks, a CNN
-            stem, other families): use :func:`count_flops` (fvcore) for those.
+        TypeError: For models this formula does not describe (a CNN stem, blocks of a
+            kind vitprune does not patch, convolutions inside the blocks): use
+            :func:`count_flops` (fvcore) for those.
     """
     return flop_counter(model, img_size)(config)
 
@@ -245,7 +254,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
             if config is not None and config.class_only_last and index == depth - 1:
                 total += _class_only_flops(cost, L, prefix, C)
                 continue
-            total += L * cost.attention + 2 * L * L * C + tokens.mlp * cost.rest
+            total += L * cost.attention + 2 * L * L * cost.width + tokens.mlp * cost.rest
             if config is not None and index in stages:
                 total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
         return total + layout.after_blocks(schedule[-1].mlp)
@@ -256,7 +265,8 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
 def _class_only_flops(cost: _BlockCost, L: int, prefix: int, C: int) -> int:
     """A block that computes the ``prefix`` tokens' outputs only (``class_only_last``): keys
     and values of all ``L`` tokens, the rest of the attention and the MLP for the prefix."""
-    return L * cost.keys_values + prefix * (cost.attention - cost.keys_values) + 2 * prefix * L * C + prefix * cost.rest
+    return (L * cost.keys_values + prefix * (cost.attention - cost.keys_values) + 2 * prefix * L * cost.width
+            + prefix * cost.rest)
 
 
 def _sdpa_flops(inputs: List[Any], outputs: List[Any]) -> int:
