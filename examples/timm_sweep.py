@@ -1,0 +1,172 @@
+"""Every model name of timm's ViT modules through vitprune, on random weights: what to run
+on each new timm release.
+
+    python examples/timm_sweep.py --out docs/timm_sweep.md
+
+Each model is built with ``--depth`` blocks where its constructor takes ``depth`` (its own
+depth otherwise), at its own input size, and checked for:
+
+- refusal: ``patch`` raises ``TypeError``/``ValueError`` before touching the model (its
+  output unchanged after the refusal);
+- keep 1.0: the patched model's output equals the unpatched one (largest absolute error);
+- the defaults and the paper's method at keep 0.7 run and give finite outputs;
+- ``unpatch`` restores the output exactly, the state dict and the class;
+- analytic FLOPs against fvcore's (unpruned and at both configurations), where the model
+  is at most ``--fvcore-max-width`` wide (tracing the widest takes minutes each).
+
+Writes one JSON line per model to ``--jsonl`` and a summary table to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import timm
+import torch
+from timm.models import _registry
+
+import vitprune
+from vitprune.core.config import PAPER_OPTIONS
+from vitprune.measure.flops import count_flops
+
+#: timm modules whose models are ViTs vitprune patches or names as refused.
+MODULES = ("vision_transformer", "deit", "eva", "beit", "vision_transformer_relpos", "vision_transformer_hybrid",
+           "vision_transformer_sam", "naflexvit")
+CONFIGS = {"defaults": {"keep_rate": 0.7}, "paper": {"indicator": "var", "keep_rate": 0.7, **PAPER_OPTIONS}}
+
+
+def build(name: str, depth: int) -> tuple:
+    """The model (eval, 10 classes) and the depth it was built with (``None``: its own)."""
+    try:
+        return timm.create_model(name, pretrained=False, depth=depth, num_classes=10).eval(), depth
+    except TypeError:  # a constructor that fixes its depth
+        return timm.create_model(name, pretrained=False, num_classes=10).eval(), None
+
+
+def flop_ratio(model: torch.nn.Module, size: tuple) -> Any:
+    """Analytic FLOPs over fvcore's, or the analytic count's refusal."""
+    try:
+        analytic = vitprune.analytic_flops(model, img_size=size)
+    except TypeError as error:
+        return f"refused: {str(error).split(';')[-1].split(':')[0].strip()}"
+    return analytic / count_flops(model, img_size=size)
+
+
+def check(name: str, depth: int, fvcore_max_width: int) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model, built_depth = build(name, depth)
+    record: Dict[str, Any] = {"name": name, "class": type(model).__name__, "depth": built_depth}
+    size = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
+    x = torch.randn(2, *size)
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    width = getattr(model, "embed_dim", getattr(model, "num_features", 0))
+    counts = width <= fvcore_max_width
+    with torch.no_grad():
+        reference = model(x)
+        if counts:
+            record["flops_unpruned"] = flop_ratio(model, size[1:])
+        try:
+            vitprune.patch(model, keep_rate=1.0)
+        except (TypeError, ValueError) as error:
+            record["refused"] = f"{type(error).__name__}: {error}"
+            record["untouched"] = type(model).__module__.startswith("timm") and torch.equal(model(x), reference)
+            return record
+        record["keep1_error"] = float((model(x) - reference).abs().max())
+        for label, options in CONFIGS.items():
+            vitprune.patch(model, **options)
+            record[f"{label}_finite"] = bool(torch.isfinite(model(x)).all())
+            if counts:
+                record[f"flops_{label}"] = flop_ratio(model, size[1:])
+        vitprune.unpatch(model)
+        after = model.state_dict()
+        record["unpatch_error"] = float((model(x) - reference).abs().max())
+        record["unpatch_state"] = set(after) == set(state) and all(torch.equal(state[k], after[k]) for k in state)
+        record["unpatch_class"] = type(model).__module__.startswith("timm") and not vitprune.is_patched(model)
+    return record
+
+
+def flop_counts(record: Dict[str, Any]) -> List[Any]:
+    """A record's analytic-over-fvcore ratios (floats) and analytic refusals (strings)."""
+    return [value for key, value in record.items() if key.startswith("flops_")]
+
+
+def passed(record: Dict[str, Any], tolerance: float) -> Optional[bool]:
+    """Whether a patched model met every check (``None`` for a refused one)."""
+    if "refused" in record:
+        return None
+    ratios = [v for v in flop_counts(record) if isinstance(v, float)]
+    return (record["keep1_error"] <= tolerance and record["defaults_finite"] and record["paper_finite"]
+            and record["unpatch_error"] == 0 and record["unpatch_state"] and record["unpatch_class"]
+            and all(abs(r - 1) < 0.02 for r in ratios))
+
+
+def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tolerance: float) -> str:
+    patched = [r for r in records if "keep1_error" in r]
+    refused = [r for r in records if "refused" in r]
+    errors = [r for r in records if "error" in r]
+    failed = [r for r in patched if not passed(r, tolerance)]
+    ratios = [v for r in patched for v in flop_counts(r) if isinstance(v, float)]
+    uncounted = sorted({r["name"] for r in patched for v in flop_counts(r) if isinstance(v, str)})
+    lines = [
+        "# Every timm ViT model name through vitprune", "",
+        f"Command: `{command}` (timm {timm.__version__}, torch {torch.__version__}, random weights, fp32, CPU).", "",
+        f"- **{len(records)} model names** of timm's modules {', '.join(f'`{m}`' for m in modules)}.",
+        f"- **{len(patched)} patched**; of those, {len(patched) - len(failed)} pass every check: keep 1.0 equal to "
+        f"the unpatched model within {tolerance:g} (largest error "
+        f"{max((r['keep1_error'] for r in patched), default=math.nan):.1e}), the defaults and the paper's method "
+        f"finite at keep 0.7, `unpatch` exact (output, state dict, class)"
+        + (f", analytic FLOPs within 2 % of fvcore ({len(ratios)} counts, ratios {min(ratios):.4f} to "
+           f"{max(ratios):.4f})" if ratios else "") + ".",
+        f"- **{len(refused)} refused** before the model is touched "
+        f"({sum(bool(r.get('untouched')) for r in refused)} checked unchanged after the refusal).",
+        f"- **{len(errors)} raised an unexpected error.**",
+    ]
+    if uncounted:
+        lines.append(f"- Analytic FLOPs refused (fvcore only): {', '.join(f'`{n}`' for n in uncounted)}.")
+    for title, group in (("Failed a check", failed), ("Unexpected errors", errors)):
+        if group:
+            lines += ["", f"## {title}", ""] + [f"- `{r['name']}`: {r.get('error', r)}" for r in group]
+    reasons: Dict[str, List[str]] = {}
+    for r in refused:
+        reasons.setdefault(r["refused"].split(": ", 1)[-1][:200], []).append(r["name"])
+    lines += ["", "## Refused, by reason", ""] if reasons else []
+    lines += [f"- {reason} ({len(names)}: {', '.join(f'`{n}`' for n in names)})" for reason, names in reasons.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modules", nargs="*", default=list(MODULES), help="timm model modules to sweep")
+    parser.add_argument("--depth", type=int, default=4, help="blocks per model, where the constructor takes it")
+    parser.add_argument("--fvcore-max-width", type=int, default=1024, help="widest model whose FLOPs fvcore traces")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest keep-1.0 error that passes")
+    parser.add_argument("--jsonl", type=Path, default=Path("timm_sweep.jsonl"))
+    parser.add_argument("--out", type=Path, default=None, help="markdown summary")
+    args = parser.parse_args()
+    names = [n for n in timm.list_models() if _registry._model_to_module.get(n) in args.modules]
+    records = []
+    with args.jsonl.open("w") as jsonl:
+        for name in names:
+            start = time.perf_counter()
+            try:
+                record = check(name, args.depth, args.fvcore_max_width)
+            except Exception:  # noqa: BLE001 -- a sweep records every failure and goes on
+                record = {"name": name, "error": traceback.format_exc(limit=-3).strip().splitlines()[-1]}
+            record["seconds"] = round(time.perf_counter() - start, 1)
+            print(json.dumps(record), file=jsonl, flush=True)
+            print(name, "refused" if "refused" in record else "error" if "error" in record else "ok", flush=True)
+            records.append(record)
+    if args.out is not None:
+        command = " ".join(["python examples/timm_sweep.py", *sys.argv[1:]])
+        args.out.write_text(summary(records, args.modules, command, args.tolerance))
+
+
+if __name__ == "__main__":
+    main()

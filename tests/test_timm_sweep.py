@@ -1,0 +1,39 @@
+"""The sweep of every timm ViT model name (examples/timm_sweep.py): its checks and its verdict."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import timm_sweep  # noqa: E402
+
+
+def test_a_patchable_model_passes_every_check():
+    record = timm_sweep.check("test_vit", depth=2, fvcore_max_width=1024)
+    assert record["depth"] == 2 and record["class"] == "VisionTransformer"
+    assert record["keep1_error"] < 1e-5 and record["unpatch_error"] == 0
+    assert record["unpatch_state"] and record["unpatch_class"]
+    assert record["defaults_finite"] and record["paper_finite"]
+    assert all(0.98 < record[f"flops_{label}"] < 1.02 for label in ("unpruned", "defaults", "paper"))
+    assert timm_sweep.passed(record, tolerance=1e-4) is True
+
+
+def test_a_refused_model_is_recorded_untouched_with_its_reason():
+    record = timm_sweep.check("samvit_base_patch16_224", depth=1, fvcore_max_width=0)
+    assert record["refused"].startswith("TypeError: vitprune cannot patch")
+    assert "windowed attention" in record["refused"] and record["untouched"] is True
+    assert "flops_unpruned" not in record  # wider than fvcore_max_width: not traced
+    assert timm_sweep.passed(record, tolerance=1e-4) is None
+
+
+def test_any_failed_check_fails_the_model_and_the_summary_lists_it():
+    good = {"name": "a", "keep1_error": 1e-7, "defaults_finite": True, "paper_finite": True, "unpatch_error": 0.0,
+            "unpatch_state": True, "unpatch_class": True, "flops_unpruned": 0.998}
+    assert timm_sweep.passed(good, 1e-4)
+    for key, value in (("keep1_error", 1e-3), ("paper_finite", False), ("unpatch_error", 1e-9),
+                       ("unpatch_state", False), ("flops_unpruned", 0.97)):
+        assert not timm_sweep.passed({**good, key: value}, 1e-4), key
+    text = timm_sweep.summary([good, {**good, "name": "b", "unpatch_state": False},
+                               {"name": "c", "refused": "TypeError: no", "untouched": True}], ["deit"], "cmd", 1e-4)
+    assert "**2 patched**; of those, 1 pass every check" in text and "- `b`: " in text
+    assert "**1 refused**" in text and "- no (1: `c`)" in text
