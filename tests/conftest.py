@@ -68,6 +68,8 @@ FAMILIES: Dict[str, Callable[[], torch.nn.Module]] = {
     "mixed rope (per-head tables)": lambda: available("vit_small_patch16_rope_mixed_224", img_size=64, depth=4),
     "PE core (rope, map pool)": lambda: available("vit_pe_core_tiny_patch16_384", img_size=64, depth=4),
     "DINOv3 (rope, registers)": lambda: available("vit_small_patch16_dinov3", img_size=64, depth=4),
+    "Sapiens2 (rope, grouped key/value heads)":  # full heads in the first and last block, as timm's layout
+        lambda: available("vit_base_patch16_sapiens2", img_size=64, depth=4, num_kv_heads=(12, 6, 6, 12)),
     "BEiT (relative position bias)": lambda: available("beit_base_patch16_224", img_size=64, depth=4),
     "relpos, no class token": lambda: available("vit_relpos_small_patch16_224", img_size=64, depth=4),
     "relpos, class token, token pool": lambda: available("vit_relpos_base_patch16_cls_224", img_size=64, depth=4),

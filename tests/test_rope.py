@@ -34,18 +34,22 @@ def test_follow_rope_per_head_and_per_image_tables():
     torch.testing.assert_close(got[1, 0], per_image[1, 0, [0, 2]])
 
 
-@pytest.mark.parametrize("name", ["eva02_tiny_patch14_224", "vit_small_patch16_rope_mixed_224"])
-def test_a_block_after_pruning_sees_each_kept_token_with_its_own_rope(name):
+@pytest.mark.parametrize("name, kwargs", [
+    ("eva02_tiny_patch14_224", {}),
+    ("vit_small_patch16_rope_mixed_224", {}),
+    ("vit_base_patch16_sapiens2", {"num_kv_heads": (12, 6, 6, 12)}),  # block 2: 6 key/value heads for 12 queries
+])
+def test_a_block_after_pruning_sees_each_kept_token_with_its_own_rope(name, kwargs):
     torch.manual_seed(0)
     size = 56 if "eva02" in name else 64
-    model = available(name, img_size=size, depth=4).eval()
+    model = available(name, img_size=size, depth=4, **kwargs).eval()
     vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=False)
     seen = {}
     model.blocks[2].register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], out=out),
                                           with_kwargs=True)
     with torch.no_grad():
         model(torch.randn(2, 3, size, size))
-        rope = model.rope.get_embed()
+        rope = model.rope.get_embed(shape=list(model.patch_embed.grid_size))  # cached or not (dynamic size)
         if getattr(model, "rope_mixed", False):  # per-head tables (timm >= 1.0.17)
             rope = rope[2]
         kept = vitprune.kept_positions(model)[0]
