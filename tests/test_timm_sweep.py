@@ -3,6 +3,9 @@
 import sys
 from pathlib import Path
 
+import pytest
+import timm
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import timm_sweep  # noqa: E402
@@ -37,3 +40,12 @@ def test_any_failed_check_fails_the_model_and_the_summary_lists_it():
                                {"name": "c", "refused": "TypeError: no", "untouched": True}], ["deit"], "cmd", 1e-4)
     assert "**2 patched**; of those, 1 pass every check" in text and "- `b`: " in text
     assert "**1 refused**" in text and "- no (1: `c`)" in text
+
+
+@pytest.mark.skipif(not timm.is_model("vit_base_patch16_sapiens2"), reason=f"timm {timm.__version__} has no Sapiens2")
+def test_a_model_timm_cannot_build_at_the_depth_is_recorded_apart():
+    # Sapiens2 lists key/value heads per block for its own depth: timm refuses depth=2
+    record = timm_sweep.check("vit_base_patch16_sapiens2", depth=2, fvcore_max_width=0)
+    assert record["unbuilt"].startswith("AssertionError: num_kv_heads")
+    text = timm_sweep.summary([record], ["eva"], "cmd", 1e-4)
+    assert "**0 raised an unexpected error.**" in text and "not checked here: `vit_base_patch16_sapiens2`" in text
