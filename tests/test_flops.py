@@ -106,6 +106,7 @@ FAMILIES = [
     ("vit_pe_core_small_patch16_384", {"img_size": 64, "depth": 1}),  # rope, attention pool
     ("beit_base_patch16_224", {"img_size": 64, "depth": 2}),  # relative position bias
     ("vit_relpos_medium_patch16_rpn_224", {"img_size": 64, "depth": 2}),  # relpos, res-post
+    ("test_vit_relpos", {"depth": 2}),  # narrow (96), so its relative-position MLP's table counts
 ]
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from timm.layers import AttentionPoolLatent
+from timm.layers import AttentionPoolLatent, RelPosMlp
 from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostBlock
 from torch import nn
 
@@ -77,9 +77,28 @@ def reduction_flops(config: PruneConfig, n: int, out: int, C: int, heads: int) -
 
 
 def _linear_flops(modules: Iterable[nn.Module]) -> int:
-    """Multiply-adds of one token through every ``nn.Linear`` in ``modules`` (and below)."""
+    """Multiply-adds of one token through every ``nn.Linear`` in ``modules`` (and below),
+    but those of relative-position MLPs, which run on their table (:func:`_table_flops`)."""
+    modules = list(modules)
+    tables = {id(m) for module in modules for table in _tables(module) for m in table.modules()}
     return sum(m.in_features * m.out_features for module in modules for m in module.modules()
-               if isinstance(m, nn.Linear))
+               if isinstance(m, nn.Linear) and id(m) not in tables)
+
+
+def _tables(module: nn.Module) -> List[nn.Module]:
+    """The relative-position MLPs in ``module`` (timm's ``RelPosMlp``: relpos models)."""
+    return [m for m in module.modules() if isinstance(m, RelPosMlp)]
+
+
+def _table_flops(model: nn.Module) -> int:
+    """The relative-position MLPs of ``model``, each run once per image on its table of
+    relative offsets (the full grid's, whatever tokens are left: the bias is gathered after)."""
+    total = 0
+    for table in _tables(model):
+        coords: Any = table.rel_coords_log  # (2h - 1, 2w - 1, 2)
+        total += coords.numel() // coords.shape[-1] * sum(
+            m.in_features * m.out_features for m in table.modules() if isinstance(m, nn.Linear))
+    return total
 
 
 class _BlockCost(NamedTuple):
@@ -185,8 +204,10 @@ def _layout(model: nn.Module) -> _Layout:
     width, in_blocks = conv.out_channels, {id(m) for m in blocks.modules()}
     pools = [m for m in model.modules()
              if isinstance(m, (nn.MultiheadAttention, AttentionPoolLatent)) and id(m) not in in_blocks]
-    skip = {id(m) for part in (blocks, embed, *pools) if isinstance(part, nn.Module) for m in part.modules()}
+    parts = (blocks, embed, *pools, *_tables(model))
+    skip = {id(m) for part in parts if isinstance(part, nn.Module) for m in part.modules()}
     once = _linear_flops(m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
+    once += _table_flops(model)  # relative-position MLPs, on their tables
 
     def after_blocks(tokens: int) -> int:  # heads read one pooled (or class) token; a pool reads all
         return once + sum(_pool_flops(pool, tokens) for pool in pools)
