@@ -144,7 +144,7 @@ def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tol
             lines += ["", f"## {title}", ""] + [f"- `{r['name']}`: {r.get('error', r)}" for r in group]
     reasons: Dict[str, List[str]] = {}
     for r in refused:
-        reasons.setdefault(r["refused"].split(": ", 1)[-1][:200], []).append(r["name"])
+        reasons.setdefault(r["refused"].split(": ", 1)[-1].split("; supported:")[0], []).append(r["name"])
     lines += ["", "## Refused, by reason", ""] if reasons else []
     lines += [f"- {reason} ({len(names)}: {', '.join(f'`{n}`' for n in names)})" for reason, names in reasons.items()]
     return "\n".join(lines) + "\n"
