@@ -96,7 +96,7 @@ def test_fit_keep_rate_with_custom_stages_and_no_fusion(deit_small):
 #: One small model per block and pooling kind the analytic count reads, with fvcore as the
 #: independent count. ``depth=1`` where a pooling attention follows the blocks, so that
 #: leaving its cost out (the keys and values of every token) would miss by far more than 1 %.
-FAMILIES = [
+BLOCK_KINDS = [
     ("vit_tiny_patch16_224", {"img_size": 64, "depth": 2}),  # Block
     ("vit_base_patch16_rpn_224", {"img_size": 64, "depth": 2}),  # ResPostBlock, no class token
     ("vit_small_patch16_18x2_224", {"depth": 1}),  # ParallelThingsBlock: 197 tokens, so both products count
@@ -110,7 +110,7 @@ FAMILIES = [
 ]
 
 
-@pytest.mark.parametrize("name, kwargs", FAMILIES, ids=[name for name, _ in FAMILIES])
+@pytest.mark.parametrize("name, kwargs", BLOCK_KINDS, ids=[name for name, _ in BLOCK_KINDS])
 def test_analytic_and_traced_counts_agree_on_every_family(name, kwargs):
     torch.manual_seed(0)
     model = available(name, **kwargs).eval()  # a skip where this timm lacks the model

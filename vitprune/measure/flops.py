@@ -90,11 +90,11 @@ def _tables(module: nn.Module) -> List[nn.Module]:
     return [m for m in module.modules() if isinstance(m, RelPosMlp)]
 
 
-def _table_flops(model: nn.Module) -> int:
-    """The relative-position MLPs of ``model``, each run once per image on its table of
+def _table_flops(tables: Sequence[nn.Module]) -> int:
+    """Relative-position MLPs (:func:`_tables`), each run once per image on its table of
     relative offsets (the full grid's, whatever tokens are left: the bias is gathered after)."""
     total = 0
-    for table in _tables(model):
+    for table in tables:
         coords: Any = table.rel_coords_log  # (2h - 1, 2w - 1, 2)
         total += coords.numel() // coords.shape[-1] * sum(
             m.in_features * m.out_features for m in table.modules() if isinstance(m, nn.Linear))
@@ -204,10 +204,10 @@ def _layout(model: nn.Module) -> _Layout:
     width, in_blocks = conv.out_channels, {id(m) for m in blocks.modules()}
     pools = [m for m in model.modules()
              if isinstance(m, (nn.MultiheadAttention, AttentionPoolLatent)) and id(m) not in in_blocks]
-    parts = (blocks, embed, *pools, *_tables(model))
-    skip = {id(m) for part in parts if isinstance(part, nn.Module) for m in part.modules()}
+    tables = _tables(model)
+    skip = {id(m) for part in (blocks, embed, *pools, *tables) if isinstance(part, nn.Module) for m in part.modules()}
     once = _linear_flops(m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
-    once += _table_flops(model)  # relative-position MLPs, on their tables
+    once += _table_flops(tables)  # relative-position MLPs, on their tables
 
     def after_blocks(tokens: int) -> int:  # heads read one pooled (or class) token; a pool reads all
         return once + sum(_pool_flops(pool, tokens) for pool in pools)
