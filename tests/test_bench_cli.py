@@ -5,8 +5,11 @@ import subprocess
 import sys
 
 import pytest
+import timm
 import torch
+from timm.layers import ConvMlp
 
+from vitprune.commands.bench import merging_settings
 from vitprune.commands.cli import main
 
 TINY = ["--model", "deit_tiny_patch16_224", "--img-size", "64", "--batch", "2", "--rounds", "2",
@@ -112,7 +115,17 @@ def test_bench_class_only_last_reaches_every_method_and_the_rows(tmp_path, flag,
         assert rows[1]["gflops"] < rows[2]["gflops"]
 
 
-def test_the_merging_baseline_needs_analytic_flops(capsys):
-    assert main(["bench", "--model", "vit_tiny_r_s16_p8_224", "--img-size", "64", "--batch", "1", "--rounds", "1",
-                 "--warmup", "0", "--no-memory", "--no-progress", "--keep-rates", "0.7", "--baseline", "merge"]) == 2
-    assert "--baseline merge fits token merging to the analytic FLOPs" in capsys.readouterr().err
+def test_the_merging_baseline_runs_on_a_hybrid(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "vit_tiny_r_s16_p8_224", "--batch", "1", "--rounds", "1", "--warmup", "0",
+                 "--no-memory", "--no-progress", "--keep-rates", "0.7", "--indicators", "default",
+                 "--baseline", "merge", "--out", str(out)]) == 0  # 49 tokens from the stem's 56x56 map
+    rows = {row["setting"].split()[0]: row for row in json.loads(out.read_text())}
+    assert rows["merging"]["gflops"] <= rows["default"]["gflops"] < rows["unpruned"]["gflops"]
+
+
+def test_the_merging_baseline_needs_analytic_flops():
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, depth=1, mlp_layer=ConvMlp)
+    with pytest.raises(TypeError, match="--baseline merge fits token merging to the analytic FLOPs, which refuse "
+                                        "this model: .*has convolutions inside its blocks"):
+        merging_settings(model, [0.7], (32, 32))

@@ -54,6 +54,7 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     vitprune.patch(model, indicator="medad", keep_rate=option.keep_rate, overlap_stride=option.stride)
     options: List[vitprune.OverlapOption] = vitprune.overlap_options(model, 4.0)
     flops: int = vitprune.analytic_flops(model) + vitprune.count_flops(model, img_size=(224, 224))
+    flops = vitprune.count_flops(model, products_only=True)
     merging: vitprune.PruneConfig = vitprune.fit_merging(model, 3.0)
     merging = vitprune.merging_config(model, 8)
     merging = vitprune.merging_config(model, [8, 8, 4])

@@ -197,10 +197,9 @@ def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: 
             try:
                 target = schedule_flops(model, Setting(DEFAULT, rate, class_only_last=class_only_last).config(),
                                         size) / 1e9
-            except TypeError:
-                raise TypeError(f"--baseline merge fits token merging to the analytic FLOPs, which do not cover "
-                                f"this {type(model).__name__} (they cover every family vitprune patches except the "
-                                f"hybrids, whose CNN stem they do not model)") from None
+            except TypeError as error:
+                raise TypeError(f"--baseline merge fits token merging to the analytic FLOPs, which refuse this "
+                                f"model: {error}") from None
             settings.append(Setting(MERGING, rate, fitted=fit_merging(model, target, size)))
     return settings
 

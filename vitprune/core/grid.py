@@ -2,7 +2,8 @@
 
 timm ViTs say their input size and patch convolution in ``model.patch_embed``;
 ``transformers`` vision models say them in their (vision) config, and their patch
-convolution is the one whose kernel is the config's patch size.
+convolution is the one whose kernel is the config's patch size. A hybrid's patch
+convolution cuts its CNN stem's feature map, not the image (``core.stem``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from numbers import Integral
 from typing import Any, Optional, Sequence, Tuple
 
 from torch import nn
+
+from .stem import run_stem, stem_of
 
 
 def vision_config(model: nn.Module) -> Any:
@@ -29,8 +32,9 @@ def _pair(value: Any) -> Tuple[int, int]:
 
 
 def patch_conv(model: nn.Module) -> Optional[nn.Conv2d]:
-    """The convolution that cuts the image into patch tokens, or ``None`` when there is none
-    to find (a CNN stem, a module of no known kind)."""
+    """The convolution that cuts the image (a hybrid: its stem's feature map) into patch
+    tokens, or ``None`` when there is none to find (a hybrid without a projection, a
+    module of no known kind)."""
     conv = getattr(getattr(model, "patch_embed", None), "proj", None)
     if isinstance(conv, nn.Conv2d):
         return conv
@@ -81,18 +85,33 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
 
     Follows the convolution (kernel, stride, padding), so overlapping embeddings count
     right too; ``stride`` overrides the convolution's. With ``dynamic_img_pad`` the input
-    is first padded to a multiple of the patch size, as timm does.
+    is first padded to a multiple of the patch size, as timm does. A hybrid's convolution
+    follows its CNN stem's feature map (or is that map, where it has no projection): the
+    one timm measured at the model's own input size, else one blank image through the
+    stem (:func:`~vitprune.core.stem.run_stem`).
 
     Raises:
-        TypeError: The model has no patch convolution to follow.
+        TypeError: The model has no patch convolution to follow, or ``stride`` is given
+            for a hybrid (a stem's feature map cannot overlap).
     """
-    conv = patch_conv(model)
-    if conv is None:
+    conv, stem = patch_conv(model), stem_of(model)
+    if conv is None and stem is None:
         raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
     embed = getattr(model, "patch_embed", None)
     sizes: Tuple[int, ...] = input_size(model, img_size)
+    if stem is not None:
+        if stride is not None:
+            raise TypeError(f"a stride applies to a patch convolution over the image, not to this "
+                            f"{type(model).__name__}'s CNN stem (hybrid stems cannot overlap)")
+        own = getattr(embed, "feature_size", None)  # timm measured it at the model's own size
+        if own is not None and sizes == own_input_size(model):
+            sizes = _pair(own)
+        else:
+            sizes = run_stem(stem, (sizes[0], sizes[1])).size
     if getattr(embed, "dynamic_img_pad", False):
         sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, _pair(getattr(embed, "patch_size"))))
+    if conv is None:  # a hybrid whose stem's feature map is the grid (no projection)
+        return sizes[0] * sizes[1]
     rows, cols = conv_grid(conv, (sizes[0], sizes[1]), stride)
     return rows * cols
 

@@ -72,7 +72,7 @@ class Row:
 
 def gflops_of(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> float:
     """GFLOPs per image: the analytic count where it applies (every family ``patch``
-    accepts but the hybrids' CNN stems), else fvcore's."""
+    accepts, hybrids included), else fvcore's."""
     try:
         return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size) / 1e9
     except TypeError:
@@ -100,7 +100,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         keep_rates: Keep rates in (0, 1].
         budgets: Shares of the unpruned FLOPs in (0, 1]; each method's keep rate is fitted
             (``fit_keep_rate``; needs a model whose FLOPs are counted analytically: any
-            family ``patch`` accepts, but not a hybrid's CNN stem).
+            family ``patch`` accepts).
         stages: Stage schedules to override each method's own (``None``: each method's).
         reductions: ``reduction`` values to override each method's own (``None``: its own).
         baseline: Add token merging at every budget (and, at every keep rate, at the FLOPs

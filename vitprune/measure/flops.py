@@ -10,9 +10,9 @@ Two independent counts that cross-check each other:
   embedding, per block the qkv / attention / projection / MLP products at the number of
   tokens each sees, the scoring row and fusion in pruning blocks, and the head. Norms,
   activations and softmaxes are left out (fvcore counts norms: about 0.2 %). It covers
-  every family vitprune patches (timm and ``transformers``) except the hybrids, whose CNN
-  stem it does not model; a pooling attention after the blocks is counted at the tokens
-  it reads.
+  every family vitprune patches (timm and ``transformers``); a pooling attention after the
+  blocks is counted at the tokens it reads, and a hybrid's CNN stem by the products of one
+  image through it (``core.stem``: its cost does not depend on pruning).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from timm.layers import AttentionPoolLatent, RelPosMlp
@@ -32,7 +32,9 @@ from ..core.config import PruneConfig, token_counts
 from ..core.grid import input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
+from ..core.modes import evaluating
 from ..core.registry import Family, attention_heads, family_of, original_block_class, own_attention
+from ..core.stem import run_stem, stem_of
 
 
 @dataclass(frozen=True)
@@ -153,21 +155,26 @@ def _block_cost(block: nn.Module, family: Optional[Family], width: int) -> _Bloc
 
 @dataclass(frozen=True)
 class _Layout:
-    """What the analytic count reads of a model: its patch convolution, width, the products
-    of each block, prefix tokens, and the cost of what follows the blocks given the tokens
-    left. Worked out once per count (fits count many schedules of one model)."""
+    """What the analytic count reads of a model: its patch convolution (``None`` for a hybrid
+    whose stem's feature map is the grid), a hybrid's CNN stem, width, the products of each
+    block, prefix tokens, the cost of what follows the blocks given the tokens left, and the
+    model's family (``None``: none). Worked out once per count (fits count many schedules
+    of one model)."""
 
-    conv: nn.Conv2d
+    conv: Optional[nn.Conv2d]
+    stem: Optional[nn.Module]
     width: int
     blocks: Tuple[_BlockCost, ...]
     prefix: int
     after_blocks: Callable[[int], int]
+    family: Optional[Family]
 
 
 def _refuse(model: nn.Module, why: str) -> TypeError:
     return TypeError(
-        f"analytic FLOPs cover the ViTs vitprune patches (timm and transformers) whose patch embedding is one "
-        f"convolution and whose blocks multiply by Linear layers only; this {type(model).__name__} {why}: "
+        f"analytic FLOPs cover the ViTs vitprune patches (timm and transformers) whose patch embedding is a "
+        f"convolution or a hybrid's CNN stem and whose blocks multiply by Linear layers only; this "
+        f"{type(model).__name__} {why}: "
         f"use vitprune.count_flops (fvcore), which traces whatever the model does")
 
 
@@ -194,14 +201,19 @@ def _known_block(block: nn.Module, family: Optional[Family]) -> bool:
 def _layout(model: nn.Module) -> _Layout:
     family = family_of(model)
     blocks = family.blocks_of(model) if family else getattr(model, "blocks", None)
-    conv, embed = patch_conv(model), getattr(model, "patch_embed", None)
-    if conv is None or hasattr(embed, "backbone"):
-        raise _refuse(model, "has a CNN stem or no patch convolution")
+    conv, embed, stem = patch_conv(model), getattr(model, "patch_embed", None), stem_of(model)
+    if conv is None and stem is None:
+        raise _refuse(model, "has no patch convolution")
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not all(_known_block(b, family) for b in blocks):
         raise _refuse(model, "has blocks of a kind vitprune does not patch")
+    strange = sorted({type(a).__name__ for b in blocks for a in family.attention_modules(b).values()
+                      if type(a) not in family.attention}) if family else []
+    if strange:  # another attention's products (a differential one runs two maps)
+        raise _refuse(model, f"has attention of a kind vitprune does not patch ({', '.join(strange)})")
     if any(isinstance(m, nn.modules.conv._ConvNd) for m in blocks.modules()):
         raise _refuse(model, "has convolutions inside its blocks")
-    width, in_blocks = conv.out_channels, {id(m) for m in blocks.modules()}
+    width = conv.out_channels if conv is not None else int(getattr(model, "embed_dim"))
+    in_blocks = {id(m) for m in blocks.modules()}
     pools = [m for m in model.modules()
              if isinstance(m, (nn.MultiheadAttention, AttentionPoolLatent)) and id(m) not in in_blocks]
     tables = _tables(model)
@@ -212,9 +224,9 @@ def _layout(model: nn.Module) -> _Layout:
     def after_blocks(tokens: int) -> int:  # heads read one pooled (or class) token; a pool reads all
         return once + sum(_pool_flops(pool, tokens) for pool in pools)
 
-    return _Layout(conv=conv, width=width, blocks=tuple(_block_cost(b, family, width) for b in blocks),
+    return _Layout(conv=conv, stem=stem, width=width, blocks=tuple(_block_cost(b, family, width) for b in blocks),
                    prefix=family.prefix_of(model) if family else getattr(model, "num_prefix_tokens", 0),
-                   after_blocks=after_blocks)
+                   after_blocks=after_blocks, family=family)
 
 
 def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
@@ -222,7 +234,7 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
 
     Args:
         model: A ViT of a family ``patch`` accepts (timm or ``transformers``) with a
-            convolutional patch embedding (not a hybrid's CNN stem), or a timm ViT of
+            convolutional patch embedding or a hybrid's CNN stem, or a timm ViT of
             ``Block`` or ``ResPostBlock`` blocks.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
     """
@@ -235,11 +247,13 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     Per block: the attention modules' Linear layers at the tokens the attention sees, the
     two attention products, the block's other Linear layers (the MLP) at the tokens left
     after the reduction step, and the reduction step itself. ``config.overlap_stride``,
-    when set, replaces the patch embedding's stride.
+    when set, replaces the patch embedding's stride. A hybrid's CNN stem is counted by
+    the products of one blank image through it, once per count.
 
     Raises:
-        TypeError: For models this formula does not describe (a CNN stem, blocks of a
-            kind vitprune does not patch, convolutions inside the blocks): use
+        TypeError: For models this formula does not describe (no patch convolution or
+            stem, blocks of a kind vitprune does not patch, convolutions inside the
+            blocks), and ``overlap_stride`` on a hybrid: use
             :func:`count_flops` (fvcore) for those.
     """
     return flop_counter(model, img_size)(config)
@@ -247,21 +261,28 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
 
 def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
                  ) -> Callable[[Optional[PruneConfig]], int]:
-    """:func:`schedule_flops` of ``model`` for any config, reading the model once: what the
-    budget fits call, which count many schedules of one model.
+    """:func:`schedule_flops` of ``model`` for any config, reading the model once (and
+    running a hybrid's stem once): what the budget fits call, which count many schedules
+    of one model.
 
     Raises:
         TypeError: As :func:`schedule_flops`, at once.
     """
     layout = _layout(model)
     conv, C, prefix = layout.conv, layout.width, layout.prefix
-    kh, kw = conv.kernel_size
+    per_patch = 0 if conv is None else C * conv.in_channels * math.prod(conv.kernel_size)
+    stem = 0 if layout.stem is None else run_stem(layout.stem, input_size(model, img_size)).flops
     depth = len(layout.blocks)
-    family = family_of(model)
+    family = layout.family
     class_only = family is not None and family.class_only(model) is None  # as ``forward`` decides
 
+    grids: Dict[Optional[int], int] = {}  # patches per stride: a hybrid's off its own size runs the stem
+
     def count(config: Optional[PruneConfig]) -> int:
-        patches = num_patches(model, img_size, None if config is None else config.overlap_stride)
+        stride = None if config is None else config.overlap_stride
+        if stride not in grids:
+            grids[stride] = num_patches(model, img_size, stride)
+        patches = grids[stride]
         if config is not None:
             config = config.settle_class_only(class_only, depth)
             if config.class_only_last and not class_only:  # what forward runs on this model
@@ -269,7 +290,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
             config = config.resolve(depth, patches)
         schedule = token_schedule(config, depth, prefix, patches)
         stages = () if config is None else config.schedule()[0]
-        total = patches * C * conv.in_channels * kh * kw
+        total = stem + patches * per_patch
         for index, (cost, tokens) in enumerate(zip(layout.blocks, schedule)):
             L = tokens.attn
             if config is not None and config.class_only_last and index == depth - 1:
@@ -307,12 +328,21 @@ def _conv_mode_flops(inputs: List[Any], outputs: List[Any]) -> int:
     return out[0] * math.prod(weight) * math.prod(out[2:])
 
 
-def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> int:
+#: fvcore's normalisation counts, which :func:`analytic_flops` leaves out.
+_NORMS = frozenset({"batch_norm", "group_norm", "layer_norm", "instance_norm"})
+
+
+def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, products_only: bool = False) -> int:
     """FLOPs of one image through ``model`` (patched or not), traced by fvcore.
 
     Args:
         model: Any module taking a ``(1, 3, H, W)`` image; a timm ViT for ``img_size=None``.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
+        products_only: Leave out fvcore's normalisation counts (batch, group, layer and
+            instance norms): what :func:`analytic_flops` counts, for a like-for-like check.
+            A ResNetV2 stem's group norms and weight standardisation are up to 4 % of it.
+
+    The model runs in eval mode; every module's own mode is restored afterwards.
     """
     with warnings.catch_warnings():  # fvcore's import path touches the deprecated torch.jit.script
         warnings.simplefilter("ignore", FutureWarning)
@@ -330,15 +360,12 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> i
     channels = stem.in_channels
     x = torch.zeros(1, channels, *input_size(model, img_size),
                     dtype=param.dtype, device=param.device)
-    was_training = model.training
-    model.eval()
-    try:
+    with evaluating(model), torch.no_grad():
         analysis = FlopCountAnalysis(model, x).set_op_handle(
             "aten::scaled_dot_product_attention", _sdpa_flops, "aten::_convolution_mode", _conv_mode_flops)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)
         analysis.tracer_warnings("none")
-        with torch.no_grad():
+        if not products_only:
             return int(analysis.total())
-    finally:
-        model.train(was_training)
+        return int(sum(flops for op, flops in analysis.by_operator().items() if op not in _NORMS))

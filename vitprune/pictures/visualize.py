@@ -10,6 +10,7 @@ from torch import nn
 
 from . import SHOW, Show, pyplot
 from ..core.grid import conv_grid, conv_padding, patch_conv
+from ..core.modes import evaluating
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 
 if TYPE_CHECKING:  # matplotlib is an optional extra, imported when a figure is drawn
@@ -207,11 +208,8 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
                          f"vs {tuple(images.shape)}")
     if titles is not None and len(titles) != images.shape[0]:
         raise ValueError(f"titles needs one label per image: {images.shape[0]} images, {len(titles)} titles")
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with evaluating(model), torch.no_grad():
         model(images)
-    model.train(was_training)
     positions = kept_positions(model)
     size = int(images.shape[-2]), int(images.shape[-1])
     stages, rates = config.schedule()
