@@ -71,6 +71,24 @@ def test_masks_agree_exactly_with_kept_positions(keep_rate, overlap_stride):
             assert torch.equal(masks[b, s], expected)
 
 
+def test_a_hybrids_tokens_tile_the_image_by_their_grid_and_draw():
+    # the stem's 56x56 map cut by an 8x8 projection: 7x7 tokens of 32x32 pixels, not 784 of 8x8
+    torch.manual_seed(0)
+    model = vitprune.patch(timm.create_model("vit_tiny_r_s16_p8_224", depth=2).eval(), keep_rate=0.5)
+    footprints = patch_footprints(model, (224, 224))
+    assert footprints.shape == (49, 224, 224) and (footprints.sum(0) == 1).all()
+    assert footprints[8, 32:64, 32:64].all() and footprints[8].sum() == 32 * 32  # row 1, column 1
+    uneven = patch_footprints(model, (100, 130))  # a 3x4 grid: cells of 33-34 by 32-33 pixels
+    assert uneven.shape == (12, 100, 130) and (uneven.sum(0) == 1).all()
+    assert uneven[0, :34, :33].all() and uneven[0].sum() == 34 * 33  # rows r * 3 // 100 == 0: r < 33.4
+    with torch.no_grad():
+        model(torch.randn(2, 3, 224, 224))
+    masks = kept_masks(model, (224, 224))
+    kept = [p for p in vitprune.kept_positions(model)[-1][0].tolist() if p >= 0]
+    assert torch.equal(masks[0, -1], footprints[kept].any(0))
+    assert visualize(model, torch.randn(1, 3, 224, 224)) is not None
+
+
 def test_drawn_panels_keep_kept_pixels_and_dim_pruned_ones():
     model = small_model(keep_rate=0.4)
     x = torch.rand(2, 3, 64, 64)

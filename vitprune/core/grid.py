@@ -81,7 +81,15 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
 
 
 def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stride: Optional[int] = None) -> int:
-    """Patch tokens the patch embedding makes from an ``img_size`` input.
+    """Patch tokens the patch embedding makes from an ``img_size`` input: the product of
+    :func:`patch_grid`'s rows and columns (which says how it follows the embedding)."""
+    rows, cols = patch_grid(model, img_size, stride)
+    return rows * cols
+
+
+def patch_grid(model: nn.Module, img_size: Optional[Sequence[int]] = None,
+               stride: Optional[int] = None) -> Tuple[int, int]:
+    """Rows and columns of patch tokens the patch embedding makes from an ``img_size`` input.
 
     Follows the convolution (kernel, stride, padding), so overlapping embeddings count
     right too; ``stride`` overrides the convolution's. With ``dynamic_img_pad`` the input
@@ -111,9 +119,8 @@ def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stri
     if getattr(embed, "dynamic_img_pad", False):
         sizes = tuple(math.ceil(s / p) * p for s, p in zip(sizes, _pair(getattr(embed, "patch_size"))))
     if conv is None:  # a hybrid whose stem's feature map is the grid (no projection)
-        return sizes[0] * sizes[1]
-    rows, cols = conv_grid(conv, (sizes[0], sizes[1]), stride)
-    return rows * cols
+        return sizes[0], sizes[1]
+    return conv_grid(conv, (sizes[0], sizes[1]), stride)
 
 
 def conv_padding(conv: nn.Conv2d) -> Tuple[int, int]:

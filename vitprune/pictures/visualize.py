@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from . import SHOW, Show, pyplot
-from ..core.grid import conv_grid, conv_padding, patch_conv
+from ..core.grid import conv_grid, conv_padding, patch_conv, patch_grid
 from ..core.modes import evaluating
 from ..core.patching import get_config, kept_positions, state_of, token_groups
+from ..core.stem import stem_of
 
 if TYPE_CHECKING:  # matplotlib is an optional extra, imported when a figure is drawn
     from matplotlib.figure import Figure
@@ -27,14 +28,20 @@ def patch_footprints(model: nn.Module, img_size: Tuple[int, int]) -> torch.Tenso
     """``(N, H, W)`` bool: the input pixels each patch token's convolution reads.
 
     Follows the patch embedding's kernel, stride and padding, so overlapping patches
-    (``overlap_stride``) have overlapping footprints. Patches are in row-major order (timm's
-and ``transformers``').
+    (``overlap_stride``) have overlapping footprints. A hybrid's tokens (a CNN stem before
+    the projection) tile the image evenly by their grid: each its cell, though the stem's
+    receptive fields reach wider. Patches are in row-major order (timm's and
+    ``transformers``').
     """
+    H, W = img_size
+    if stem_of(model) is not None:
+        rows, cols = patch_grid(model, (H, W))
+        cell = (torch.arange(H) * rows // H)[:, None] * cols + (torch.arange(W) * cols // W)[None, :]  # (H, W)
+        return cell == torch.arange(rows * cols)[:, None, None]
     conv = patch_conv(model)
     if conv is None:
         raise TypeError(f"found no patch-embedding convolution in this {type(model).__name__}")
     (kh, kw), (sh, sw), (ph, pw) = conv.kernel_size, conv.stride, conv_padding(conv)
-    H, W = img_size
     rows, cols = conv_grid(conv, (H, W))
     masks = torch.zeros(rows * cols, H, W, dtype=torch.bool)
     for r in range(rows):
