@@ -144,7 +144,8 @@ def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tol
         lines.append(f"- Analytic FLOPs refused (fvcore only): {', '.join(f'`{n}`' for n in uncounted)}.")
     counted = [r["name"] for r in refused if any(isinstance(v, float) for v in flop_counts(r))]
     if counted:  # a formula for blocks vitprune does not know can only be right by chance
-        lines.append(f"- **Analytic FLOPs counted on a model `patch` refuses:** {', '.join(f'`{n}`' for n in counted)}.")
+        names = ", ".join(f"`{n}`" for n in counted)
+        lines.append(f"- **Analytic FLOPs counted on a model `patch` refuses:** {names}.")
     for title, group in (("Failed a check", failed), ("Unexpected errors", errors)):
         if group:
             lines += ["", f"## {title}", ""] + [f"- `{r['name']}`: {r.get('error', r)}" for r in group]

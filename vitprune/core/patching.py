@@ -83,13 +83,12 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
             raise TypeError(f"block {index} is a {original.__name__}; vitprune can prune in: {known}")
         if number is None and not family.check_followers:
             continue  # a block that only follows runs its own forward
-        for name, attn in family.attention_modules(block).items():
-            if type(attn) not in family.attention:
-                accepted = " or ".join(a.__name__ for a in family.attention)
-                raise TypeError(
-                    f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
-                    f"{original.__name__} blocks with timm's {accepted}"
-                )
+        for name, attn in family.foreign_attention(block).items():
+            accepted = " or ".join(a.__name__ for a in family.attention)
+            raise TypeError(
+                f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
+                f"{original.__name__} blocks with timm's {accepted}"
+            )
 
 
 def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:

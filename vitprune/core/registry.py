@@ -129,6 +129,11 @@ class Family:
     library: str = "timm"
     class_only: Callable[[nn.Module], Optional[str]] = no_class_only
 
+    def foreign_attention(self, block: nn.Module) -> Dict[str, nn.Module]:
+        """The block's attention modules, by name, of a class this family cannot run (``patch``
+        refuses them, and the analytic FLOPs do not describe them)."""
+        return {name: a for name, a in self.attention_modules(block).items() if type(a) not in self.attention}
+
 
 #: Attributes ``patch`` adds to a block it swaps; ``unpatch`` deletes exactly these.
 BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow", "vitprune_class_only")

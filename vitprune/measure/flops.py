@@ -206,8 +206,7 @@ def _layout(model: nn.Module) -> _Layout:
         raise _refuse(model, "has no patch convolution")
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or not all(_known_block(b, family) for b in blocks):
         raise _refuse(model, "has blocks of a kind vitprune does not patch")
-    strange = sorted({type(a).__name__ for b in blocks for a in family.attention_modules(b).values()
-                      if type(a) not in family.attention}) if family else []
+    strange = sorted({type(a).__name__ for b in blocks for a in family.foreign_attention(b).values()}) if family else []
     if strange:  # another attention's products (a differential one runs two maps)
         raise _refuse(model, f"has attention of a kind vitprune does not patch ({', '.join(strange)})")
     if any(isinstance(m, nn.modules.conv._ConvNd) for m in blocks.modules()):
