@@ -67,7 +67,10 @@ def fit_keep_rate(
         stages: As in :class:`PruneConfig`: ``"spread"`` (the default), ``"all"``,
             ``None`` (the paper's stages, scaled to the depth) or block indices.
         fuse: The legacy switch (see :class:`PruneConfig`); prefer ``reduction``.
-        img_size: Input ``(H, W)``; the model's own size when ``None``.
+        img_size: Input ``(H, W)``; the model's own size when ``None``. ``"spread"`` is
+            worked out for the model's own size and applied as a rate at other sizes (as
+            ``patch`` does), so there the result is exact to one token of the own-size
+            schedule, and the patched model run at ``img_size`` meets the budget.
         overlap_stride: Count with this patch-embedding stride (see ``patch``); ``None``
             uses the model's current one.
         **options: Other :class:`PruneConfig` fields (``reduction``, ``selection``, ...),

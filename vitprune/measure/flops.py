@@ -28,12 +28,13 @@ from timm.layers import AttentionPoolLatent, RelPosMlp
 from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostBlock
 from torch import nn
 
-from ..core.config import PruneConfig, token_counts
+from ..core.config import SPREAD, PruneConfig, token_counts
 from ..core.grid import input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
 from ..core.modes import evaluating
-from ..core.registry import Family, attention_heads, family_of, original_block_class, own_attention
+from ..core.registry import (Family, attention_heads, family_of, grid_patches, original_block_class,
+                             own_attention)
 from ..core.stem import run_stem, stem_of
 
 
@@ -46,7 +47,9 @@ class BlockTokens:
 
 
 def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, num_patches: int) -> List[BlockTokens]:
-    """The tokens each block sees under ``config`` (``None``: unpruned)."""
+    """The tokens each block sees under ``config`` (``None``: unpruned); a ``"spread"``
+    config is resolved for ``num_patches`` (:func:`flop_counter` passes it resolved for the
+    model's own size, as ``patch`` does)."""
     counts = (num_patches,) * depth
     if config is not None:
         stages, rates = config.resolve(depth, num_patches).schedule()
@@ -247,7 +250,9 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     two attention products, the block's other Linear layers (the MLP) at the tokens left
     after the reduction step, and the reduction step itself. ``config.overlap_stride``,
     when set, replaces the patch embedding's stride. A hybrid's CNN stem is counted by
-    the products of one blank image through it, once per count.
+    the products of one blank image through it, once per count. ``stages="spread"`` is
+    resolved for the model's own input size, as ``patch`` resolves it, and applied as a
+    rate at ``img_size``: the count is what the patched model runs at that size.
 
     Raises:
         TypeError: For models this formula does not describe (no patch convolution or
@@ -276,6 +281,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
     class_only = family is not None and family.class_only(model) is None  # as ``forward`` decides
 
     grids: Dict[Optional[int], int] = {}  # patches per stride: a hybrid's off its own size runs the stem
+    own: Dict[Optional[int], int] = {}  # the same at the model's own size, which "spread" is worked out for
 
     def count(config: Optional[PruneConfig]) -> int:
         stride = None if config is None else config.overlap_stride
@@ -286,7 +292,9 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
             config = config.settle_class_only(class_only, depth)
             if config.class_only_last and not class_only:  # what forward runs on this model
                 config = dataclasses.replace(config, class_only_last=False)
-            config = config.resolve(depth, patches)
+            if config.stages == SPREAD and stride not in own:  # as ``patch`` resolves it
+                own[stride] = grid_patches(model, stride) if family is None else family.patches_of(model, stride)
+            config = config.resolve(depth, own.get(stride))
         schedule = token_schedule(config, depth, prefix, patches)
         stages = () if config is None else config.schedule()[0]
         total = stem + patches * per_patch
