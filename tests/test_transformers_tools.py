@@ -77,6 +77,19 @@ def test_fvcore_and_the_analytic_count_agree(name, options):
         assert analytic < unpruned
 
 
+@pytest.mark.parametrize("name", CLASSES)
+def test_count_flops_at_another_input_size_interpolates_the_position_embedding(name):
+    """transformers refuses another size unless asked to interpolate; count_flops asks."""
+    model = build(name)
+    for options in (None, {"keep_rate": 0.5}):
+        if options is not None:
+            vitprune.patch(model, **options)
+        predicted = schedule_flops(model, None if options is None else vitprune.PruneConfig(**options), (48, 40))
+        traced = vitprune.count_flops(model, (48, 40), products_only=True)
+        assert abs(traced - predicted) / traced < 0.005, (options, traced, predicted)
+        assert traced > 1.5 * vitprune.count_flops(model, products_only=True)  # 30 patches, not 16
+
+
 def test_count_flops_counts_a_convolution_with_string_padding():
     """SigLIP's patch embedding pads with "valid", which fvcore alone counts as nothing."""
     valid = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 4, stride=4, padding="valid"))
@@ -250,6 +263,17 @@ def test_visualize_a_transformers_model():
     kept = [int((stage[0] >= 0).sum()) for stage in vitprune.kept_positions(model)]
     assert masks.shape == (2, 2, 32, 32)
     assert [int(masks[0, s].sum()) for s in range(2)] == [8 * 8 * k for k in kept]
+
+
+def test_visualize_a_transformers_model_at_another_input_size():
+    """It runs the model with interpolate_pos_encoding=True there, as transformers requires."""
+    pytest.importorskip("matplotlib")
+    model = vitprune.patch(build("ViTForImageClassification"), keep_rate=0.5, stages="all")
+    figure = vitprune.visualize(model, torch.randn(1, 3, 48, 40))
+    assert len(figure.axes) == 1 + 3  # the input, blocks 0-2 (the last computes the class token alone)
+    kept = [int((stage[0] >= 0).sum()) for stage in vitprune.kept_positions(model)]
+    assert kept[0] == 15  # half of the 6 x 5 patches
+    assert int(vitprune.kept_masks(model, (48, 40))[0, 0].sum()) == 8 * 8 * 15
 
 
 def test_show_draws_a_transformers_tower_with_the_default_preprocessing(saved_tower, tmp_path, capsys):

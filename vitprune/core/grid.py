@@ -8,9 +8,10 @@ convolution cuts its CNN stem's feature map, not the image (``core.stem``).
 
 from __future__ import annotations
 
+import inspect
 import math
 from numbers import Integral
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -53,6 +54,15 @@ def own_input_size(model: nn.Module) -> Optional[Tuple[int, int]]:
         return _pair(size)
     config = vision_config(model)
     return None if config is None else _pair(config.image_size)
+
+
+def forward_options(model: nn.Module, size: Tuple[int, int]) -> Dict[str, bool]:
+    """Keyword arguments ``model`` needs to run on ``size`` images: a ``transformers`` model
+    away from its own size refuses the input unless asked to ``interpolate_pos_encoding``;
+    timm's (``dynamic_img_size``) and everything else need none."""
+    own = own_input_size(model)
+    takes = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
+    return {"interpolate_pos_encoding": True} if takes and own is not None and own != tuple(size) else {}
 
 
 def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:

@@ -29,7 +29,7 @@ from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostB
 from torch import nn
 
 from ..core.config import SPREAD, PruneConfig, token_counts
-from ..core.grid import input_size, num_patches, patch_conv
+from ..core.grid import forward_options, input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
 from ..core.patching import is_patched, get_config
 from ..core.modes import evaluating
@@ -339,12 +339,25 @@ def _conv_mode_flops(inputs: List[Any], outputs: List[Any]) -> int:
 _NORMS = frozenset({"batch_norm", "group_norm", "layer_norm", "instance_norm"})
 
 
+class _Calling(nn.Module):
+    """``model(x, **options)`` as a module fvcore can trace (it passes positional inputs only)."""
+
+    def __init__(self, model: nn.Module, options: Dict[str, bool]) -> None:
+        super().__init__()
+        self.model, self.options = model, options
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.model(x, **self.options)
+
+
 def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, products_only: bool = False) -> int:
     """FLOPs of one image through ``model`` (patched or not), traced by fvcore.
 
     Args:
         model: Any module taking a ``(1, 3, H, W)`` image; a timm ViT for ``img_size=None``.
-        img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
+        img_size: ``(H, W)`` or an int; the model's own input size when ``None``. A
+            ``transformers`` model at another size is called with
+            ``interpolate_pos_encoding=True``, as it must be to run there.
         products_only: Leave out fvcore's normalisation counts (batch, group, layer and
             instance norms): what :func:`analytic_flops` counts, for a like-for-like check.
             A ResNetV2 stem's group norms and weight standardisation are up to 4 % of it.
@@ -365,10 +378,11 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, prod
             f"this {type(model).__name__} has {'no parameters' if param is None else 'no Conv2d'}"
         )
     channels = stem.in_channels
-    x = torch.zeros(1, channels, *input_size(model, img_size),
-                    dtype=param.dtype, device=param.device)
+    size = input_size(model, img_size)
+    x = torch.zeros(1, channels, *size, dtype=param.dtype, device=param.device)
     with evaluating(model), torch.no_grad():
-        analysis = FlopCountAnalysis(model, x).set_op_handle(
+        options = forward_options(model, size)
+        analysis = FlopCountAnalysis(_Calling(model, options) if options else model, x).set_op_handle(
             "aten::scaled_dot_product_attention", _sdpa_flops, "aten::_convolution_mode", _conv_mode_flops)
         analysis.unsupported_ops_warnings(False)
         analysis.uncalled_modules_warnings(False)

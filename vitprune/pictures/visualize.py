@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import SHOW, Show, pyplot
-from ..core.grid import conv_grid, conv_padding, patch_conv, patch_grid
+from ..core.grid import conv_grid, conv_padding, forward_options, patch_conv, patch_grid
 from ..core.modes import evaluating
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 from ..core.stem import stem_of
@@ -188,7 +188,9 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
 
     Args:
         model: A model patched with :func:`vitprune.patch`.
-        images: ``(C, H, W)`` or ``(B, C, H, W)`` model inputs (already preprocessed).
+        images: ``(C, H, W)`` or ``(B, C, H, W)`` model inputs (already preprocessed); a
+            ``transformers`` model is called with ``interpolate_pos_encoding=True`` when
+            they are not its config's size.
         display: The same images in [0, 1] for drawing (e.g. before normalisation);
             the inputs min-max scaled when ``None``.
         titles: One label per image (e.g. the predicted class), shown on the left.
@@ -215,10 +217,10 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
                          f"vs {tuple(images.shape)}")
     if titles is not None and len(titles) != images.shape[0]:
         raise ValueError(f"titles needs one label per image: {images.shape[0]} images, {len(titles)} titles")
-    with evaluating(model), torch.no_grad():
-        model(images)
-    positions = kept_positions(model)
     size = int(images.shape[-2]), int(images.shape[-1])
+    with evaluating(model), torch.no_grad():
+        model(images, **forward_options(model, size))
+    positions = kept_positions(model)
     stages, rates = config.schedule()
     footprints = patch_footprints(model, size)
     if show == "groups":
