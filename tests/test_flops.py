@@ -5,6 +5,8 @@ import copy
 import pytest
 import timm
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import vitprune
@@ -13,11 +15,17 @@ from timm.layers import ConvMlp
 from timm.models.vision_transformer import Block
 from vitprune.measure.budget import fit_keep_rate
 from vitprune.core.grid import num_patches
-from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
+from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops, token_schedule
 
 
 class OwnBlock(Block):
     """A block class of a user's own, which ``patch`` does not know."""
+
+
+@pytest.fixture(scope="module")
+def dynamic_deit():
+    torch.manual_seed(0)
+    return timm.create_model("deit_tiny_patch16_224", depth=4, dynamic_img_size=True).eval()
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +166,32 @@ def test_counts_and_fits_at_another_input_size_describe_what_the_patched_model_r
     target = budget * unpruned
     vitprune.patch(model, keep_rate=fit_keep_rate(model, target / 1e9, img_size=img_size))
     assert count_flops(model, img_size, products_only=True) <= target * 1.002
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.integers(2, 20), cols=st.integers(2, 20), keep_rate=st.sampled_from([0.9, 0.7, 0.5, 0.2]),
+       stages=st.sampled_from([None, "spread", "all", (0, 2)]), reduction=st.sampled_from(["merge", "fuse", "drop"]),
+       stride=st.sampled_from([None, 12]))
+def test_the_count_at_any_input_size_is_what_the_patched_model_runs(dynamic_deit, rows, cols, keep_rate, stages,
+                                                                     reduction, stride):
+    """The count of a config at a size equals the count of the model patched with it, and
+    the patched model's blocks see the tokens that count is made of."""
+    size = (16 * rows, 16 * cols)
+    config = vitprune.PruneConfig(keep_rate=keep_rate, stages=stages, reduction=reduction, overlap_stride=stride)
+    predicted = schedule_flops(dynamic_deit, config, size)
+    model = vitprune.patch(dynamic_deit, config)
+    try:
+        seen = []
+        hooks = [block.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1])) for block in model.blocks]
+        with torch.no_grad():
+            model(torch.randn(1, 3, *size))
+        for hook in hooks:
+            hook.remove()
+        assert analytic_flops(model, size) == predicted
+        schedule = token_schedule(vitprune.get_config(model), 4, 1, num_patches(model, size, stride))
+        assert seen == [tokens.attn for tokens in schedule]
+    finally:
+        vitprune.unpatch(dynamic_deit)
+
 
 @pytest.mark.parametrize("name, kwargs, why", [
     ("vit_tiny_patch16_224", {"img_size": 32, "depth": 1, "mlp_layer": ConvMlp}, "has convolutions inside its blocks"),

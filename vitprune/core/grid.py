@@ -61,8 +61,10 @@ def forward_options(model: nn.Module, size: Tuple[int, int]) -> Dict[str, bool]:
     away from its own size refuses the input unless asked to ``interpolate_pos_encoding``;
     timm's (``dynamic_img_size``) and everything else need none."""
     own = own_input_size(model)
+    if own is None or own == tuple(size):
+        return {}
     takes = "interpolate_pos_encoding" in inspect.signature(model.forward).parameters
-    return {"interpolate_pos_encoding": True} if takes and own is not None and own != tuple(size) else {}
+    return {"interpolate_pos_encoding": True} if takes else {}
 
 
 def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
