@@ -43,44 +43,47 @@ def paper(**options):
 _tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
 
 #: Every supported family, shrunk (small images, few blocks), random weights.
-FAMILIES: Dict[str, Callable[[], torch.nn.Module]] = {
-    "ResPostBlock": lambda: _tiny(block_fn=ResPostBlock),
-    "ParallelThingsBlock": lambda: _tiny(block_fn=ParallelThingsBlock),
-    "ParallelScalingBlock": lambda: _tiny(block_fn=ParallelScalingBlock),
-    "ParallelScalingBlock, no qkv bias": lambda: _tiny(block_fn=ParallelScalingBlock, qkv_bias=False),
+FAMILIES: Dict[str, Callable[..., torch.nn.Module]] = {
+    "ResPostBlock": lambda **kw: _tiny(block_fn=ResPostBlock, **kw),
+    "ParallelThingsBlock": lambda **kw: _tiny(block_fn=ParallelThingsBlock, **kw),
+    "ParallelScalingBlock": lambda **kw: _tiny(block_fn=ParallelScalingBlock, **kw),
+    "ParallelScalingBlock, no qkv bias": lambda **kw: _tiny(block_fn=ParallelScalingBlock, qkv_bias=False, **kw),
     "ParallelScalingBlock, RmsNorm, qk-norm (xp)":
-        lambda: available("vit_base_patch16_xp_224", img_size=64, depth=4),
+        lambda **kw: available("vit_base_patch16_xp_224", img_size=64, depth=4, **kw),
     "ParallelScalingBlock, register, gap (pwee)":
-        lambda: available("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4),
-    "ResPostBlock, gap (rpn)": lambda: available("vit_base_patch16_rpn_224", img_size=64, depth=4),
-    "CLIP tower": lambda: available("vit_base_patch16_clip_224", img_size=64, depth=4),
-    "DINOv2": lambda: available("vit_small_patch14_dinov2", img_size=56, depth=4),
-    "hybrid (ResNet stem)": lambda: available("vit_tiny_r_s16_p8_224", img_size=128),
-    "flexivit": lambda: available("flexivit_small", img_size=64, depth=4),
-    "gap, no class token": lambda: available("vit_base_patch16_gap_224", img_size=64, depth=4),
-    "avgmax, no class token": lambda: _tiny(class_token=False, global_pool="avgmax"),
-    "max, no class token": lambda: _tiny(class_token=False, global_pool="max"),
-    "siglip gap": lambda: available("vit_base_patch16_siglip_gap_224", img_size=64, depth=4),
-    "siglip map (attention pool)": lambda: available("vit_base_patch16_siglip_224", img_size=64, depth=4),
-    "registers, no class token": lambda: available("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4),
-    "Eva02 (rope, SwiGLU, avg pool)": lambda: available("eva02_tiny_patch14_224", img_size=56, depth=4),
-    "rope ViT (AttentionRope)": lambda: available("vit_small_patch16_rope_224", img_size=64, depth=4),
-    "mixed rope (per-head tables)": lambda: available("vit_small_patch16_rope_mixed_224", img_size=64, depth=4),
-    "PE core (rope, map pool)": lambda: available("vit_pe_core_tiny_patch16_384", img_size=64, depth=4),
-    "DINOv3 (rope, registers)": lambda: available("vit_small_patch16_dinov3", img_size=64, depth=4),
+        lambda **kw: available("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4, **kw),
+    "ResPostBlock, gap (rpn)": lambda **kw: available("vit_base_patch16_rpn_224", img_size=64, depth=4, **kw),
+    "CLIP tower": lambda **kw: available("vit_base_patch16_clip_224", img_size=64, depth=4, **kw),
+    "DINOv2": lambda **kw: available("vit_small_patch14_dinov2", img_size=56, depth=4, **kw),
+    "hybrid (ResNet stem)": lambda **kw: available("vit_tiny_r_s16_p8_224", img_size=128, **kw),
+    "flexivit": lambda **kw: available("flexivit_small", img_size=64, depth=4, **kw),
+    "gap, no class token": lambda **kw: available("vit_base_patch16_gap_224", img_size=64, depth=4, **kw),
+    "avgmax, no class token": lambda **kw: _tiny(class_token=False, global_pool="avgmax", **kw),
+    "max, no class token": lambda **kw: _tiny(class_token=False, global_pool="max", **kw),
+    "siglip gap": lambda **kw: available("vit_base_patch16_siglip_gap_224", img_size=64, depth=4, **kw),
+    "siglip map (attention pool)": lambda **kw: available("vit_base_patch16_siglip_224", img_size=64, depth=4, **kw),
+    "registers, no class token": lambda **kw: available("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4, **kw),
+    "Eva02 (rope, SwiGLU, avg pool)": lambda **kw: available("eva02_tiny_patch14_224", img_size=56, depth=4, **kw),
+    "rope ViT (AttentionRope)": lambda **kw: available("vit_small_patch16_rope_224", img_size=64, depth=4, **kw),
+    "mixed rope (per-head tables)":
+        lambda **kw: available("vit_small_patch16_rope_mixed_224", img_size=64, depth=4, **kw),
+    "PE core (rope, map pool)": lambda **kw: available("vit_pe_core_tiny_patch16_384", img_size=64, depth=4, **kw),
+    "DINOv3 (rope, registers)": lambda **kw: available("vit_small_patch16_dinov3", img_size=64, depth=4, **kw),
     "Sapiens2 (rope, grouped key/value heads)":  # full heads in the first and last block, as timm's layout
-        lambda: available("vit_base_patch16_sapiens2", img_size=64, depth=4, num_kv_heads=(12, 6, 6, 12)),
-    "BEiT (relative position bias)": lambda: available("beit_base_patch16_224", img_size=64, depth=4),
-    "relpos, no class token": lambda: available("vit_relpos_small_patch16_224", img_size=64, depth=4),
-    "relpos, class token, token pool": lambda: available("vit_relpos_base_patch16_cls_224", img_size=64, depth=4),
-    "relpos, res-post blocks": lambda: available("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4),
-    "shared relpos": lambda: available("vit_srelpos_small_patch16_224", img_size=64, depth=4),
+        lambda **kw: available("vit_base_patch16_sapiens2", img_size=64, depth=4, num_kv_heads=(12, 6, 6, 12), **kw),
+    "BEiT (relative position bias)": lambda **kw: available("beit_base_patch16_224", img_size=64, depth=4, **kw),
+    "relpos, no class token": lambda **kw: available("vit_relpos_small_patch16_224", img_size=64, depth=4, **kw),
+    "relpos, class token, token pool":
+        lambda **kw: available("vit_relpos_base_patch16_cls_224", img_size=64, depth=4, **kw),
+    "relpos, res-post blocks": lambda **kw: available("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4, **kw),
+    "shared relpos": lambda **kw: available("vit_srelpos_small_patch16_224", img_size=64, depth=4, **kw),
 }
 
 
-def build(name):
+def build(name, **kwargs):
+    """The family's small model (``kwargs`` added to its ``create_model`` call), eval mode."""
     torch.manual_seed(0)
-    return FAMILIES[name]().eval()
+    return FAMILIES[name](**kwargs).eval()
 
 
 def available(name: str, **kwargs) -> torch.nn.Module:

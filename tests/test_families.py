@@ -11,6 +11,7 @@ import torch
 
 import vitprune
 from conftest import FAMILIES, PAPER, all_blocks, build, images, paper
+from vitprune.measure.flops import count_flops, schedule_flops
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("indicator", ["var", "medad"])
@@ -49,6 +50,32 @@ def test_pruning_runs_and_unpatch_restores(name, options):
         assert positions[0].shape == (3, k) and (positions[0] >= 0).all()
     torch.testing.assert_close(restored, expected, rtol=0, atol=0)
     assert type(model) is type(build(name)) and not vitprune.is_patched(model)
+
+
+#: The families timm builds with ``dynamic_img_size`` (BEiT's and relpos' bias tables are fixed to one grid).
+DYNAMIC = [name for name in FAMILIES if "relpos" not in name and "BEiT" not in name]
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_at_another_input_size_every_family_is_exact_unpruned_and_counted(name):
+    model = build(name, dynamic_img_size=True)
+    embed = model.patch_embed
+    (rows, cols), pixels = embed.grid_size, embed.img_size[0] // embed.grid_size[0]  # a token's side
+    size = ((rows + 1) * pixels, (cols + 3) * pixels)
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+        vitprune.patch(model, keep_rate=1.0, stages=all_blocks(model))
+        got = model(x)
+    exact = model.cls_token is not None
+    torch.testing.assert_close(got, expected, **({} if exact else {"rtol": 1e-4, "atol": 1e-5}))
+    for options in ({"keep_rate": 0.5}, paper(indicator="var", keep_rate=0.7)):
+        predicted = schedule_flops(model, vitprune.PruneConfig(**options), size)
+        vitprune.patch(model, **options)
+        with torch.no_grad():
+            assert torch.isfinite(model(x)).all()
+        traced = count_flops(model, size, products_only=True)
+        assert abs(traced - predicted) / traced < 0.003, (options, traced, predicted)
 
 
 @pytest.mark.parametrize("name", ["gap, no class token", "siglip map (attention pool)", "registers, no class token"])

@@ -39,17 +39,19 @@ def test_follow_rope_per_head_and_per_image_tables():
     ("vit_small_patch16_rope_mixed_224", {}),
     ("vit_base_patch16_sapiens2", {"num_kv_heads": (12, 6, 6, 12)}),  # block 2: 6 key/value heads for 12 queries
 ])
-def test_a_block_after_pruning_sees_each_kept_token_with_its_own_rope(name, kwargs):
+@pytest.mark.parametrize("grid", [None, (5, 7)], ids=["own size", "dynamic 5x7"])
+def test_a_block_after_pruning_sees_each_kept_token_with_its_own_rope(name, kwargs, grid):
     torch.manual_seed(0)
-    size = 56 if "eva02" in name else 64
-    model = available(name, img_size=size, depth=4, **kwargs).eval()
+    patch = 14 if "eva02" in name else 16
+    model = available(name, img_size=4 * patch, depth=4, dynamic_img_size=grid is not None, **kwargs).eval()
+    grid = grid or (4, 4)  # at 5x7, a table of rows and columns swapped fails on Eva02 and Sapiens2
     vitprune.patch(model, keep_rate=0.5, stages=(1,), fuse=False)
     seen = {}
     model.blocks[2].register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0], out=out),
                                           with_kwargs=True)
     with torch.no_grad():
-        model(torch.randn(2, 3, size, size))
-        rope = model.rope.get_embed(shape=list(model.patch_embed.grid_size))  # cached or not (dynamic size)
+        model(torch.randn(2, 3, grid[0] * patch, grid[1] * patch))
+        rope = model.rope.get_embed(shape=list(grid))  # cached or not (dynamic size)
         if getattr(model, "rope_mixed", False):  # per-head tables (timm >= 1.0.17)
             rope = rope[2]
         kept = vitprune.kept_positions(model)[0]
