@@ -371,13 +371,13 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, prod
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     param = next(model.parameters(), None)
-    stem = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)  # the stem's input
-    if param is None or stem is None:
+    first_conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)  # it reads the image
+    if param is None or first_conv is None:
         raise TypeError(
             f"count_flops traces a model that takes (1, C, H, W) images through a convolutional stem; "
             f"this {type(model).__name__} has {'no parameters' if param is None else 'no Conv2d'}"
         )
-    channels = stem.in_channels
+    channels = first_conv.in_channels
     size = input_size(model, img_size)
     x = torch.zeros(1, channels, *size, dtype=param.dtype, device=param.device)
     with evaluating(model), torch.no_grad():
