@@ -146,7 +146,6 @@ def test_fit_keep_rate_meets_the_budget_on_a_rope_model():
     assert abs(count_flops(model) / (target * 1e9) - 1) < 0.02
 
 
-
 @pytest.mark.parametrize("name, budget", [("deit_tiny_patch16_224", 0.6), ("vit_tiny_r_s16_p8_224", 0.85)])
 @pytest.mark.parametrize("img_size", [(96, 128), (320, 320)])
 def test_counts_and_fits_at_another_input_size_describe_what_the_patched_model_runs(name, budget, img_size):
@@ -167,6 +166,7 @@ def test_counts_and_fits_at_another_input_size_describe_what_the_patched_model_r
     vitprune.patch(model, keep_rate=fit_keep_rate(model, target / 1e9, img_size=img_size))
     assert count_flops(model, img_size, products_only=True) <= target * 1.002
 
+
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(2, 20), cols=st.integers(2, 20), keep_rate=st.sampled_from([0.9, 0.7, 0.5, 0.2]),
        stages=st.sampled_from([None, "spread", "all", (0, 2)]), reduction=st.sampled_from(["merge", "fuse", "drop"]),
@@ -179,17 +179,17 @@ def test_the_count_at_any_input_size_is_what_the_patched_model_runs(dynamic_deit
     config = vitprune.PruneConfig(keep_rate=keep_rate, stages=stages, reduction=reduction, overlap_stride=stride)
     predicted = schedule_flops(dynamic_deit, config, size)
     model = vitprune.patch(dynamic_deit, config)
+    seen = []
+    hooks = [block.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1])) for block in model.blocks]
     try:
-        seen = []
-        hooks = [block.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1])) for block in model.blocks]
         with torch.no_grad():
             model(torch.randn(1, 3, *size))
-        for hook in hooks:
-            hook.remove()
         assert analytic_flops(model, size) == predicted
         schedule = token_schedule(vitprune.get_config(model), 4, 1, num_patches(model, size, stride))
         assert seen == [tokens.attn for tokens in schedule]
-    finally:
+    finally:  # the model is shared by every example
+        for hook in hooks:
+            hook.remove()
         vitprune.unpatch(dynamic_deit)
 
 
