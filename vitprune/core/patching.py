@@ -11,8 +11,8 @@ from torch import nn
 from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
 from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection, Stages
 from .overlap import apply_overlap, check_overlap, remove_overlap
-from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, is_patched_model, is_pruning_block,
-                       original_block_class, original_model_class)
+from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, grid_patches, is_patched_model,
+                       is_pruning_block, original_block_class, original_model_class)
 from .state import PruneState
 
 MODEL_ATTR = "vitprune_state"
@@ -105,10 +105,13 @@ def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
             )
 
 
-def _patch_count(model: nn.Module, family: Family, config: PruneConfig) -> Optional[int]:
-    """Patch tokens at the model's own input size (after ``overlap_stride``), for the
-    ``"spread"`` schedule; ``None`` for other schedules."""
-    return family.patches_of(model, config.overlap_stride) if config.stages == SPREAD else None
+def spread_patches(model: nn.Module, family: Optional[Family], config: PruneConfig) -> Optional[int]:
+    """The patch count ``config`` is resolved for: the model's own (after ``overlap_stride``)
+    for the ``"spread"`` schedule, at every input size; ``None`` for other schedules. A model
+    of no family counts its patches as a family does by default (the FLOP count's what-if)."""
+    if config.stages != SPREAD:
+        return None
+    return (grid_patches if family is None else family.patches_of)(model, config.overlap_stride)
 
 
 def check_model_overlap(model: nn.Module, family: Family, stride: int) -> None:
@@ -248,7 +251,7 @@ def patch(
     family = check_model(model)
     blocks = family.blocks_of(model)
     cfg = settle_class_only(model, cfg, family)
-    cfg = cfg.resolve(len(blocks), _patch_count(model, family, cfg))
+    cfg = cfg.resolve(len(blocks), spread_patches(model, family, cfg))
     plan = _swap_plan(family, len(blocks), cfg.schedule()[0], cfg.size_aware, bool(cfg.class_only_last))
     _check_blocks(model, family, plan)
     _check_heads(model, family, cfg)

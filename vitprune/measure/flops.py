@@ -28,13 +28,12 @@ from timm.layers import AttentionPoolLatent, RelPosMlp
 from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostBlock
 from torch import nn
 
-from ..core.config import SPREAD, PruneConfig, token_counts
+from ..core.config import PruneConfig, token_counts
 from ..core.grid import forward_options, input_size, num_patches, patch_conv
 from ..core.merging import bipartite_rounds
-from ..core.patching import is_patched, get_config
+from ..core.patching import get_config, is_patched, spread_patches
 from ..core.modes import evaluating
-from ..core.registry import (Family, attention_heads, family_of, grid_patches, original_block_class,
-                             own_attention)
+from ..core.registry import Family, attention_heads, family_of, original_block_class, own_attention
 from ..core.stem import run_stem, stem_of
 
 
@@ -281,7 +280,6 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
     class_only = family is not None and family.class_only(model) is None  # as ``forward`` decides
 
     grids: Dict[Optional[int], int] = {}  # patches per stride: a hybrid's off its own size runs the stem
-    own: Dict[Optional[int], int] = {}  # the same at the model's own size, which "spread" is worked out for
 
     def count(config: Optional[PruneConfig]) -> int:
         stride = None if config is None else config.overlap_stride
@@ -292,9 +290,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
             config = config.settle_class_only(class_only, depth)
             if config.class_only_last and not class_only:  # what forward runs on this model
                 config = dataclasses.replace(config, class_only_last=False)
-            if config.stages == SPREAD and stride not in own:  # as ``patch`` resolves it
-                own[stride] = grid_patches(model, stride) if family is None else family.patches_of(model, stride)
-            config = config.resolve(depth, own.get(stride))
+            config = config.resolve(depth, spread_patches(model, family, config))  # as ``patch`` resolves it
         schedule = token_schedule(config, depth, prefix, patches)
         stages = () if config is None else config.schedule()[0]
         total = stem + patches * per_patch
