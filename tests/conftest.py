@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable, Dict
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import timm
@@ -40,50 +39,48 @@ def paper(**options):
     return {**PAPER, **options}
 
 
-_tiny = partial(timm.create_model, "deit_tiny_patch16_224", img_size=64)
+_TINY, _SMALL = "deit_tiny_patch16_224", dict(img_size=64, depth=4)
 
-#: Every supported family, shrunk (small images, few blocks), random weights.
-FAMILIES: Dict[str, Callable[..., torch.nn.Module]] = {
-    "ResPostBlock": lambda **kw: _tiny(block_fn=ResPostBlock, **kw),
-    "ParallelThingsBlock": lambda **kw: _tiny(block_fn=ParallelThingsBlock, **kw),
-    "ParallelScalingBlock": lambda **kw: _tiny(block_fn=ParallelScalingBlock, **kw),
-    "ParallelScalingBlock, no qkv bias": lambda **kw: _tiny(block_fn=ParallelScalingBlock, qkv_bias=False, **kw),
-    "ParallelScalingBlock, RmsNorm, qk-norm (xp)":
-        lambda **kw: available("vit_base_patch16_xp_224", img_size=64, depth=4, **kw),
-    "ParallelScalingBlock, register, gap (pwee)":
-        lambda **kw: available("vit_pwee_patch16_reg1_gap_256", img_size=64, depth=4, **kw),
-    "ResPostBlock, gap (rpn)": lambda **kw: available("vit_base_patch16_rpn_224", img_size=64, depth=4, **kw),
-    "CLIP tower": lambda **kw: available("vit_base_patch16_clip_224", img_size=64, depth=4, **kw),
-    "DINOv2": lambda **kw: available("vit_small_patch14_dinov2", img_size=56, depth=4, **kw),
-    "hybrid (ResNet stem)": lambda **kw: available("vit_tiny_r_s16_p8_224", img_size=128, **kw),
-    "flexivit": lambda **kw: available("flexivit_small", img_size=64, depth=4, **kw),
-    "gap, no class token": lambda **kw: available("vit_base_patch16_gap_224", img_size=64, depth=4, **kw),
-    "avgmax, no class token": lambda **kw: _tiny(class_token=False, global_pool="avgmax", **kw),
-    "max, no class token": lambda **kw: _tiny(class_token=False, global_pool="max", **kw),
-    "siglip gap": lambda **kw: available("vit_base_patch16_siglip_gap_224", img_size=64, depth=4, **kw),
-    "siglip map (attention pool)": lambda **kw: available("vit_base_patch16_siglip_224", img_size=64, depth=4, **kw),
-    "registers, no class token": lambda **kw: available("vit_betwixt_patch16_reg4_gap_256", img_size=64, depth=4, **kw),
-    "Eva02 (rope, SwiGLU, avg pool)": lambda **kw: available("eva02_tiny_patch14_224", img_size=56, depth=4, **kw),
-    "rope ViT (AttentionRope)": lambda **kw: available("vit_small_patch16_rope_224", img_size=64, depth=4, **kw),
-    "mixed rope (per-head tables)":
-        lambda **kw: available("vit_small_patch16_rope_mixed_224", img_size=64, depth=4, **kw),
-    "PE core (rope, map pool)": lambda **kw: available("vit_pe_core_tiny_patch16_384", img_size=64, depth=4, **kw),
-    "DINOv3 (rope, registers)": lambda **kw: available("vit_small_patch16_dinov3", img_size=64, depth=4, **kw),
+#: Every supported family, shrunk (small images, few blocks), random weights: the timm model
+#: and its ``create_model`` arguments.
+FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "ResPostBlock": (_TINY, dict(img_size=64, block_fn=ResPostBlock)),
+    "ParallelThingsBlock": (_TINY, dict(img_size=64, block_fn=ParallelThingsBlock)),
+    "ParallelScalingBlock": (_TINY, dict(img_size=64, block_fn=ParallelScalingBlock)),
+    "ParallelScalingBlock, no qkv bias": (_TINY, dict(img_size=64, block_fn=ParallelScalingBlock, qkv_bias=False)),
+    "ParallelScalingBlock, RmsNorm, qk-norm (xp)": ("vit_base_patch16_xp_224", _SMALL),
+    "ParallelScalingBlock, register, gap (pwee)": ("vit_pwee_patch16_reg1_gap_256", _SMALL),
+    "ResPostBlock, gap (rpn)": ("vit_base_patch16_rpn_224", _SMALL),
+    "CLIP tower": ("vit_base_patch16_clip_224", _SMALL),
+    "DINOv2": ("vit_small_patch14_dinov2", dict(img_size=56, depth=4)),
+    "hybrid (ResNet stem)": ("vit_tiny_r_s16_p8_224", dict(img_size=128)),
+    "flexivit": ("flexivit_small", _SMALL),
+    "gap, no class token": ("vit_base_patch16_gap_224", _SMALL),
+    "avgmax, no class token": (_TINY, dict(img_size=64, class_token=False, global_pool="avgmax")),
+    "max, no class token": (_TINY, dict(img_size=64, class_token=False, global_pool="max")),
+    "siglip gap": ("vit_base_patch16_siglip_gap_224", _SMALL),
+    "siglip map (attention pool)": ("vit_base_patch16_siglip_224", _SMALL),
+    "registers, no class token": ("vit_betwixt_patch16_reg4_gap_256", _SMALL),
+    "Eva02 (rope, SwiGLU, avg pool)": ("eva02_tiny_patch14_224", dict(img_size=56, depth=4)),
+    "rope ViT (AttentionRope)": ("vit_small_patch16_rope_224", _SMALL),
+    "mixed rope (per-head tables)": ("vit_small_patch16_rope_mixed_224", _SMALL),
+    "PE core (rope, map pool)": ("vit_pe_core_tiny_patch16_384", _SMALL),
+    "DINOv3 (rope, registers)": ("vit_small_patch16_dinov3", _SMALL),
     "Sapiens2 (rope, grouped key/value heads)":  # full heads in the first and last block, as timm's layout
-        lambda **kw: available("vit_base_patch16_sapiens2", img_size=64, depth=4, num_kv_heads=(12, 6, 6, 12), **kw),
-    "BEiT (relative position bias)": lambda **kw: available("beit_base_patch16_224", img_size=64, depth=4, **kw),
-    "relpos, no class token": lambda **kw: available("vit_relpos_small_patch16_224", img_size=64, depth=4, **kw),
-    "relpos, class token, token pool":
-        lambda **kw: available("vit_relpos_base_patch16_cls_224", img_size=64, depth=4, **kw),
-    "relpos, res-post blocks": lambda **kw: available("vit_relpos_medium_patch16_rpn_224", img_size=64, depth=4, **kw),
-    "shared relpos": lambda **kw: available("vit_srelpos_small_patch16_224", img_size=64, depth=4, **kw),
+        ("vit_base_patch16_sapiens2", dict(_SMALL, num_kv_heads=(12, 6, 6, 12))),
+    "BEiT (relative position bias)": ("beit_base_patch16_224", _SMALL),
+    "relpos, no class token": ("vit_relpos_small_patch16_224", _SMALL),
+    "relpos, class token, token pool": ("vit_relpos_base_patch16_cls_224", _SMALL),
+    "relpos, res-post blocks": ("vit_relpos_medium_patch16_rpn_224", _SMALL),
+    "shared relpos": ("vit_srelpos_small_patch16_224", _SMALL),
 }
 
 
 def build(name, **kwargs):
-    """The family's small model (``kwargs`` added to its ``create_model`` call), eval mode."""
+    """The family's small model (``kwargs`` added to its ``create_model`` arguments), eval mode."""
+    model_name, arguments = FAMILIES[name]
     torch.manual_seed(0)
-    return FAMILIES[name](**kwargs).eval()
+    return available(model_name, **arguments, **kwargs).eval()
 
 
 def available(name: str, **kwargs) -> torch.nn.Module:
