@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from vitprune.core.config import keep_count
-from vitprune.core.tokens import fuse_tokens, fusion_weights, prune_tokens, select_top
+from vitprune.core.tokens import fuse_tokens, fusion_weights, prune_tokens, select_top, untracked
 
 
 @pytest.mark.parametrize("rate, n, expected", [
@@ -87,3 +87,12 @@ def test_fuse_tokens_keeps_the_token_dtype():
     tokens = torch.randn(1, 3, 4, dtype=torch.bfloat16)
     out = fuse_tokens(tokens, torch.tensor([[0.2, 0.3, 0.5]]))
     assert out.dtype == torch.bfloat16 and out.shape == (1, 1, 4)
+
+
+def test_untracked_detaches_only_what_autograd_tracks():
+    plain = torch.randn(2, 3)
+    assert untracked(plain) is plain  # no operation where there is no history to cut
+    tracked = torch.randn(2, 3, requires_grad=True) * 2
+    cut = untracked(tracked)
+    assert not cut.requires_grad and cut.grad_fn is None
+    assert cut.data_ptr() == tracked.data_ptr() and torch.equal(cut, tracked)

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .tokens import descending_order, gather_tokens, select_top
+from .tokens import descending_order, gather_tokens, select_top, untracked
 
 
 class Matched(NamedTuple):
@@ -48,7 +48,7 @@ def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
 
     Detached: only indices leave a matching, so no gradient is recorded for it, and the new
     tensors are normalised in place (an operation's allocation saved in every block)."""
-    keys = keys.detach()
+    keys = untracked(keys)
     metric = (keys[:, :, num_prefix:] if num_prefix else keys).sum(dim=1)  # the norm divides the 1 / H out
     return metric.div_(torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min_(1e-12))
 
@@ -156,7 +156,7 @@ def _bipartite_round(metric: torch.Tensor, k: int, crowding: float = 0.0) -> Mat
     see :func:`_removal_order`). With ``crowding`` 0 the same as ``_match`` with
     ``order = [evens, odds]`` and ``concat``, written out for speed."""
     B, n, _ = metric.shape
-    metric = metric.detach()
+    metric = untracked(metric)
     ranked, partner = _removal_order(metric[:, 1::2] @ metric[:, 0::2].transpose(1, 2), crowding)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:]
     stay = stays.sort(dim=1).values * 2 + 1
@@ -174,7 +174,7 @@ def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat
     With ``concat`` the destinations must already be in index order (bipartite's are)."""
     n = order.shape[1]
     dst, src = order[:, :split], order[:, split:]
-    metric = metric.detach()
+    metric = untracked(metric)
     similarity = gather_tokens(metric, src) @ gather_tokens(metric, dst).transpose(1, 2)
     best, partner = similarity.max(dim=-1)  # (B, n - split): each candidate's closest destination
     ranked = descending_order(best)
