@@ -4,10 +4,12 @@
 # First examples/gpu_checks.py (fp16/bf16 kept-set agreement and CUDA equivalence) and
 # examples/gpu_host_time.py (host enqueue time against forward time), then deit_small and
 # vit_base at bf16 autocast, batch 256, inference: eager with var and medad, then eager and
-# torch.compile side by side with var. Correctness comes first so that a run cut short by a
+# torch.compile side by side with var; between them, the defaults' method every second and
+# every third block at the defaults' FLOPs. Correctness comes first so that a run cut short by a
 # time limit still has it. Each step's output is written to OUT_DIR (default docs/bench) as
 # it runs; a failing step is reported and the rest still run, and the exit status is
 # non-zero if any failed. Runs from a source checkout without installing (python -m vitprune).
+# It writes 11 files; where only a few can come back, tar OUT_DIR into one.
 set -uo pipefail
 out="${1:-docs/bench}"
 mkdir -p "$out"
@@ -15,13 +17,19 @@ failed=0
 step() { echo "== $*" >&2; "$@" || { echo "FAILED ($?): $*" >&2; failed=1; }; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu_name.txt"
 python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)" | tee -a "$out/gpu_name.txt"
-step bash -c "python examples/gpu_checks.py | tee '$out/gpu_checks.txt'"
-step bash -c "python examples/gpu_host_time.py | tee '$out/gpu_host_time.txt'"
-common=(--device cuda --dtype bf16 --batch 256 --keep-rates 1.0 0.7 --rounds 10 --warmup 3 --no-progress)
+step bash -o pipefail -c "python examples/gpu_checks.py | tee '$out/gpu_checks.txt'"
+step bash -o pipefail -c "python examples/gpu_host_time.py | tee '$out/gpu_host_time.txt'"
+common=(--device cuda --dtype bf16 --batch 256 --rounds 10 --warmup 3 --no-progress)
 for model in deit_small_patch16_224 vit_base_patch16_224; do
-  step python -m vitprune bench --model "$model" "${common[@]}" --indicators default var medad --baseline merge --out "$out/gpu_${model}_eager.json"
+  step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators default var medad --baseline merge --out "$out/gpu_${model}_eager.json"
+done
+# The defaults' method in fewer, larger steps, at the defaults' FLOPs (keep rates from
+# fit_keep_rate for these stages, the same for both models): every second block, every third.
+for model in deit_small_patch16_224 vit_base_patch16_224; do
+  step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 0.842857 --indicators default --stages 1,3,5,7,9 --out "$out/gpu_${model}_every2.json"
+  step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 0.748 --indicators default --stages 2,5,8 --out "$out/gpu_${model}_every3.json"
 done
 for model in deit_small_patch16_224 vit_base_patch16_224; do
-  step python -m vitprune bench --model "$model" "${common[@]}" --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
+  step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
 done
 exit "$failed"
