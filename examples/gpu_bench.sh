@@ -2,14 +2,15 @@
 # The GPU checks and speed table, in one command on a CUDA machine:
 #   bash examples/gpu_bench.sh [OUT_DIR]
 # First examples/gpu_checks.py (fp16/bf16 kept-set agreement and CUDA equivalence) and
-# examples/gpu_host_time.py (host enqueue time against forward time), then deit_small and
-# vit_base at bf16 autocast, batch 256, inference: eager with var and medad, then eager and
-# torch.compile side by side with var; between them, the defaults' method every second and
-# every third block at the defaults' FLOPs. Correctness comes first so that a run cut short by a
-# time limit still has it. Each step's output is written to OUT_DIR (default docs/bench) as
-# it runs; a failing step is reported and the rest still run, and the exit status is
-# non-zero if any failed. Runs from a source checkout without installing (python -m vitprune).
-# It writes 11 files; where only a few can come back, tar OUT_DIR into one.
+# examples/gpu_host_time.py (host enqueue time against forward time); then deit_small and
+# vit_base at bf16 autocast, batch 256, inference: eager with the defaults, var, medad and
+# token merging; the defaults' method in every second and every third block at the
+# defaults' FLOPs; eager and torch.compile side by side with var; last, the defaults
+# compiled. Correctness comes first so that a run cut short by a time limit still has it.
+# Each step's output is written to OUT_DIR (default docs/bench) as it runs; a failing step
+# is reported and the rest still run, and the exit status is non-zero if any failed. Runs
+# from a source checkout without installing (python -m vitprune). It writes 12 files; where
+# only a few can come back, tar OUT_DIR into one.
 set -uo pipefail
 out="${1:-docs/bench}"
 mkdir -p "$out"
@@ -32,4 +33,7 @@ done
 for model in deit_small_patch16_224 vit_base_patch16_224; do
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
 done
+# Last, as the slowest to compile (a dozen token counts; over 200 s on a fresh H200 in three tries):
+# the defaults compiled, deit_small only.
+step python -m vitprune bench --model deit_small_patch16_224 "${common[@]}" --keep-rates 0.7 --indicators default --compile both --out "$out/gpu_deit_small_patch16_224_compiled_defaults.json"
 exit "$failed"
