@@ -8,8 +8,9 @@ compiled kernels): the seconds of the first compiled call (tracing, compiling, r
 its ratio to the unpruned model's, the median of five later calls, and the number of
 distinct token counts the blocks see. Inductor compiles kernels for each distinct shape,
 so a reduction in every block (the defaults, and token merging) has more to compile than
-three stages, and those more than none. Random weights, CPU, inference (``fullgraph=True``, inductor); nothing else should run
-on the machine meanwhile. Prints one line per setting; ``--json`` writes them.
+three stages, and those more than none. Random weights, CPU, inference (``fullgraph=True``,
+inductor); nothing else should run on the machine meanwhile. Prints one line per setting;
+``--json`` writes them.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ import torch
 
 import vitprune
 from vitprune.core.config import PAPER_OPTIONS
-from vitprune.measure.flops import schedule_flops
 
 
 def host_counts(run: Callable[[], None], cuda: bool) -> Tuple[int, Optional[int]]:
@@ -65,7 +64,7 @@ def main() -> None:
     paper = dict(indicator="var", **PAPER_OPTIONS)
     models = {"unpruned": model, "defaults": vitprune.patch(copy.deepcopy(model), keep_rate=0.7),
               "var": vitprune.patch(copy.deepcopy(model), keep_rate=0.7, **paper)}
-    budget = schedule_flops(model, vitprune.get_config(models["defaults"])) / 1e9
+    budget = vitprune.analytic_flops(models["defaults"]) / 1e9
     for every, stages in ((2, (1, 3, 5, 7, 9)), (3, (2, 5, 8))):  # the defaults' FLOPs in fewer steps
         rate = vitprune.fit_keep_rate(model, budget, stages=stages)
         models[f"defaults every {every} blocks"] = vitprune.patch(copy.deepcopy(model), keep_rate=rate, stages=stages)
