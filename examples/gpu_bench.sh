@@ -2,14 +2,15 @@
 # The GPU checks and speed table, in one command on a CUDA machine:
 #   bash examples/gpu_bench.sh [OUT_DIR]
 # First examples/gpu_checks.py (fp16/bf16 kept-set agreement and CUDA equivalence) and
-# examples/gpu_host_time.py (host enqueue time against forward time); then deit_small and
+# examples/gpu_host_time.py (host enqueue time against forward time); examples/gpu_cuda_graph.py
+# (each setting replayed from a CUDA graph against eager, batch 256 and 1); then deit_small and
 # vit_base at bf16 autocast, batch 256, inference: eager with the defaults, var, medad and
 # token merging; the defaults' method in every second and every third block at the
 # defaults' FLOPs; eager and torch.compile side by side with var; last, the defaults
 # compiled. Correctness comes first so that a run cut short by a time limit still has it.
 # Each step's output is written to OUT_DIR (default docs/bench) as it runs; a failing step
 # is reported and the rest still run, and the exit status is non-zero if any failed. Runs
-# from a source checkout without installing (python -m vitprune). It writes 12 files; where
+# from a source checkout without installing (python -m vitprune). It writes 13 files; where
 # only a few can come back, tar OUT_DIR into one.
 set -uo pipefail
 out="${1:-docs/bench}"
@@ -20,6 +21,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu
 python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)" | tee -a "$out/gpu_name.txt"
 step bash -o pipefail -c "python examples/gpu_checks.py | tee '$out/gpu_checks.txt'"
 step bash -o pipefail -c "python examples/gpu_host_time.py | tee '$out/gpu_host_time.txt'"
+step bash -o pipefail -c "python examples/gpu_cuda_graph.py | tee '$out/gpu_cuda_graph.txt'"
 common=(--device cuda --dtype bf16 --batch 256 --rounds 10 --warmup 3 --no-progress)
 for model in deit_small_patch16_224 vit_base_patch16_224; do
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators default var medad --baseline merge --out "$out/gpu_${model}_eager.json"

@@ -1,0 +1,134 @@
+"""On a GPU, replay each model from a CUDA graph and time it against the same model run eagerly:
+whether graphs take away the host cost that holds the defaults' eager speedup down.
+
+    python examples/gpu_cuda_graph.py [--models deit_small_patch16_224 ...] [--batches 256 1]
+
+For each model and batch (bfloat16 weights, inference, random weights): the unpruned model,
+vitprune's defaults and the paper's method (var) at keep 0.7, and token merging fitted to the
+defaults' FLOPs, each run eagerly and replayed from a graph captured once
+(``torch.cuda.CUDAGraph``; a patched forward reads nothing back to the host, see
+tests/test_device_only.py, which is what capture needs). Interleaved rounds, median; each
+speedup is over the unpruned model run the same way, in the same rounds. Before timing it
+checks that a replay gives what an eager call gives on new images (to bfloat16's resolution),
+and exits non-zero if not.
+``--device cpu`` times the eager column alone, to see that the script still runs before a GPU
+is at hand; its figures say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List
+
+import timm
+import torch
+
+import vitprune
+from vitprune.core.config import PAPER_OPTIONS
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+def settings(model: torch.nn.Module, keep_rate: float = 0.7) -> Dict[str, torch.nn.Module]:
+    """The unpruned ``model``, and copies of it patched with the defaults, the paper's method
+    and token merging at the defaults' analytic FLOPs."""
+    defaults = vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate)
+    merging = vitprune.fit_merging(model, vitprune.analytic_flops(defaults) / 1e9)
+    return {"unpruned": model, "defaults": defaults,
+            "paper (var)": vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate, indicator="var", **PAPER_OPTIONS),
+            "token merging": vitprune.patch(copy.deepcopy(model), merging)}
+
+
+def eager(model: torch.nn.Module) -> Forward:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(x)
+    return forward
+
+
+def graphed(model: torch.nn.Module, example: torch.Tensor, warmup: int = 3) -> Forward:
+    """``model``'s inference forward captured once as a CUDA graph: each call copies its images
+    into the captured input and replays (the returned tensor is the graph's, overwritten by the
+    next call)."""
+    static = example.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.inference_mode():  # warm-up off the capture stream, as torch asks
+        for _ in range(warmup):
+            model(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph):
+        out = model(static)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        static.copy_(x)
+        graph.replay()
+        return out
+    return forward
+
+
+def time_interleaved(calls: Dict[str, Callable[[], object]], rounds: int, repeats: int,
+                     sync: Callable[[], None]) -> Dict[str, float]:
+    """Median seconds per call of each of ``calls``, ``repeats`` calls a reading, all of them
+    in every round."""
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                call()
+            sync()
+            times[name].append((time.perf_counter() - start) / repeats)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["deit_small_patch16_224", "vit_base_patch16_224"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[256, 1])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--device", default="cuda", help="where to run (default: cuda)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    ok = True
+    for name in args.models:
+        torch.manual_seed(0)
+        models = settings(timm.create_model(name).to(device, torch.bfloat16).eval())
+        for batch in args.batches:
+            generator = torch.Generator(device).manual_seed(batch)
+            x = torch.randn(batch, 3, 224, 224, device=device, generator=generator, dtype=torch.bfloat16)
+            calls: Dict[str, Callable[[], object]] = {}
+            for label, model in models.items():
+                calls[f"{label}, eager"] = lambda f=eager(model): f(x)
+                if cuda:
+                    replay = graphed(model, x)
+                    fresh = torch.randn_like(x)
+                    got, expected = replay(fresh).float(), eager(model)(fresh).float()
+                    difference = (got - expected).abs().max().item()
+                    ok &= torch.allclose(got, expected, rtol=2e-2, atol=2e-2)  # bfloat16's resolution
+                    print(f"{name} batch {batch} {label}: replay - eager on new images, largest difference "
+                          f"{difference:.3g}")
+                    calls[f"{label}, graph"] = lambda f=replay: f(x)
+            repeats = 1 if batch >= 64 else 20
+            medians = time_interleaved(calls, args.rounds, repeats, sync)
+            print(f"\n{name}, batch {batch}, bf16, {device.type}, median of {args.rounds} interleaved rounds"
+                  f"{'' if repeats == 1 else f' ({repeats} calls a reading)'}")
+            for label, seconds in medians.items():
+                reference = medians["unpruned, graph" if label.endswith("graph") else "unpruned, eager"]
+                print(f"  {label:28s} {seconds * 1e3:8.3f} ms  {reference / seconds:6.3f}x")
+            print()
+    if not ok:
+        print("FAILED: a replay differs from the eager forward")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""examples/gpu_cuda_graph.py: its settings are at equal cost, and (with a GPU) a patched model
+replayed from a CUDA graph gives what it gives eagerly."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vitprune
+from conftest import images, small_vit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import gpu_cuda_graph  # noqa: E402
+
+
+def test_the_settings_are_the_unpruned_model_and_three_reductions_at_the_defaults_cost():
+    model = small_vit(depth=6)
+    models = gpu_cuda_graph.settings(model)
+    assert models["unpruned"] is model and not vitprune.is_patched(model)
+    flops = {label: vitprune.analytic_flops(m) for label, m in models.items()}
+    assert 0.9 * flops["defaults"] < flops["token merging"] <= flops["defaults"] < flops["unpruned"]
+    assert vitprune.get_config(models["paper (var)"]).selection == "top"
+
+
+def test_eager_forward_is_the_model_in_inference_mode():
+    model = small_vit(depth=2)
+    x = images(model, batch=2)
+    with torch.inference_mode():
+        expected = model(x)
+    assert torch.equal(gpu_cuda_graph.eager(model)(x), expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_replayed_graph_gives_the_eager_output_on_new_images(batch):
+    model = vitprune.patch(small_vit().cuda(), keep_rate=0.7)
+    x = images(model, batch=batch).cuda()
+    replay = gpu_cuda_graph.graphed(model, x)
+    fresh = torch.randn_like(x)
+    torch.testing.assert_close(replay(fresh), gpu_cuda_graph.eager(model)(fresh))
