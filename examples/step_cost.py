@@ -29,6 +29,10 @@ of its ideal speedup (the ratio of analytic FLOPs):
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
+``--dtype bf16`` runs every setting with bfloat16 weights and images (no autocast), the fast
+path of CPUs with bfloat16 matrix units (AMX), where the matrix products shrink and the
+step's share grows.
+
 Random weights (timing only; the free step's outputs are not meaningful). Run it with
 nothing else on the machine: a second busy core moves the ratios by a fifth.
 """
@@ -53,6 +57,9 @@ from vitprune.core.config import PAPER_OPTIONS, PruneConfig
 from vitprune.core.merging import Merged
 from vitprune.measure.flops import schedule_flops
 from experiments_common import every_stages
+
+#: ``--dtype``: the model's weights and the images.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 #: The row whose patch reduces with :func:`free_merge`.
 FREE = "defaults, free step"
@@ -98,12 +105,14 @@ def main() -> None:
                         help="also the defaults with this crowding weight (patch(crowding=W)): the same tokens")
     parser.add_argument("--class-only", action="store_true",
                         help="also the defaults with class_only_last, at their keep rate and at their FLOPs")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                        help="the weights' and images' dtype (bf16: bfloat16 weights, no autocast)")
     parser.add_argument("--json", help="write the table here as JSON")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model = timm.create_model(args.model, pretrained=False).eval()
+    model = timm.create_model(args.model, pretrained=False).eval().to(DTYPES[args.dtype])
     defaults = PruneConfig(keep_rate=args.keep_rate, class_only_last=False)
     paper = PruneConfig(indicator="var", keep_rate=args.keep_rate, **PAPER_OPTIONS)
     models = {"unpruned": model,
@@ -127,7 +136,7 @@ def main() -> None:
                 defaults, class_only_last=True)), (f"the same at the defaults' FLOPs (keep {rate:.3f})",
                                                     PruneConfig(keep_rate=rate, class_only_last=True))):
             models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
-    x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:])
+    x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:], dtype=DTYPES[args.dtype])
 
     def step(name: str) -> Callable[[], None]:
         context = free_step if name == FREE else contextlib.nullcontext
@@ -140,7 +149,7 @@ def main() -> None:
     seconds: Dict[str, float] = time_interleaved({name: step(name) for name in models}, args.rounds, args.warmup,
                                                  sync=lambda: None)
     rows = []
-    print(f"{args.model}, batch {args.batch}, keep {args.keep_rate:g}, {args.threads} threads, "
+    print(f"{args.model}, {args.dtype}, batch {args.batch}, keep {args.keep_rate:g}, {args.threads} threads, "
           f"{args.rounds} rounds, torch {torch.__version__}, timm {timm.__version__}")
     width = max(map(len, models))
     print(f"{'setting':<{width}} {'GFLOPs':>7} {'speedup':>8} {'ideal':>6} {'achieved / ideal':>17}")

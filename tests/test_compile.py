@@ -54,3 +54,21 @@ def test_compiled_model_does_not_recompile_across_batches_of_one_shape():
         for seed in range(3):  # new values each time, same shape: one graph serves them all
             x = torch.randn(3, 3, 64, 64, generator=torch.Generator().manual_seed(seed))
             assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_under_autocast_the_matching_stays_float32_in_one_graph():
+    """``merging.cosines`` turns autocast off around its product: dynamo traces that in the graph."""
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4).eval()
+    vitprune.patch(model, keep_rate=0.6)
+    x = torch.randn(3, 3, 64, 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+        eager_kept = vitprune.kept_positions(model)
+        actual = compiled(x)
+    assert_close(actual, expected, rtol=1e-2, atol=1e-2)  # bfloat16's resolution
+    for a, b in zip(vitprune.kept_positions(model), eager_kept):
+        assert torch.equal(a, b)

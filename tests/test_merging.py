@@ -13,7 +13,7 @@ from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
 from vitprune.core.merging import (CROWDING_MARGIN, Matched, Merged, bipartite_keep, bipartite_merge, bipartite_slots,
-                                   crowding_scores, key_metric,
+                                   cosines, crowding_scores, key_metric,
                                    match_bipartite, match_redundant, match_top, merge_tokens, size_bias, token_slots)
 
 
@@ -248,6 +248,41 @@ def test_key_metric_records_no_gradient_and_leaves_the_keys_alone():
     assert not metric.requires_grad and metric.grad_fn is None  # only indices leave a matching
     assert torch.equal(keys.detach(), before)  # normalised in place, but in new tensors
     assert_close(metric, torch.tensor([[[2 ** -0.5, 2 ** -0.5], [0.6, 0.8]]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_key_metric_is_float32_from_low_precision_keys_and_float64_stays(dtype):
+    keys = torch.randn(2, 3, 5, 4, generator=torch.Generator().manual_seed(0))
+    low = keys.to(dtype)
+    assert key_metric(low, 1).dtype == torch.float32
+    assert torch.equal(key_metric(low, 1), key_metric(low.float(), 1))  # the same sums, in float32
+    assert key_metric(keys.double(), 1).dtype == torch.float64
+
+
+def near_copies(dtype):
+    """Tokens 0 and 2 are the destinations, 1 and 3 the candidates; both candidates lie within
+    0.002 of token 0's direction, token 3 the closer (cosines 0.99851 and 0.99900 in float32),
+    which bfloat16 cannot tell apart (its step below 1 is 2 ** -8)."""
+    keys = torch.tensor([[1.0, 0.0], [1.0, 0.0547], [0.0, 1.0], [1.0, 0.0447]]).to(dtype)
+    return keys.view(1, 1, 4, 2), torch.arange(4.0).view(1, 4, 1).to(dtype)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16 model", "float32 model under autocast"])
+def test_near_copies_are_told_apart_in_bfloat16_as_in_float32(autocast):
+    keys, tokens = near_copies(torch.float32 if autocast else torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        merged = bipartite_merge(tokens, keys, torch.ones(1, 4), k=3, num_prefix=0)
+    assert merged.removed.tolist() == [[1]]  # candidate 1 (token 3), the closer; a tie would send token 1
+    exact = bipartite_merge(*near_copies(torch.float32)[::-1], torch.ones(1, 4), k=3, num_prefix=0)
+    assert torch.equal(merged.removed, exact.removed) and torch.equal(merged.dest, exact.dest)
+
+
+def test_cosines_stay_in_float32_under_autocast():
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cosines(a, b)
+        assert (a @ b.mT).dtype == torch.bfloat16  # what autocast does to a plain product
+    assert got.dtype == torch.float32 and torch.equal(got, torch.bmm(a, b.mT))
 
 
 @pytest.mark.parametrize("fused", [True, False])

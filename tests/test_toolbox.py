@@ -47,13 +47,14 @@ def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, options):
 
 @pytest.mark.parametrize("dataset", ["fashion_mnist", "cluttered"])
 @pytest.mark.parametrize("indicator, options, bound", [
-    ("var", PAPER, 0.97), ("medad", PAPER, 0.97), (None, {}, 0.85),
+    ("var", PAPER, 0.97), ("medad", PAPER, 0.97), (None, {}, 0.96),
 ], ids=["var paper", "medad paper", "defaults"])
 def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator, options, bound):
     """Measured on the shipped models, 500 test images: for the paper's method at least
     98.8 % of the kept patches agree with fp32 at every stage; for the defaults (matching
-    by key similarity in every block, where differences compound) at least 86.7 % (README
-    states both); the bounds leave room."""
+    by key similarity in every block, where differences compound) at least 97.7 % since the
+    matching works in float32 (86.7 % when it worked in bf16; README states both); the
+    bounds leave room."""
     model, _ = demo_models.load_shipped(dataset)
     x = datasets.to_input(demo_models.load_test_subset(dataset)[0][:500])
     vitprune.patch(model, indicator=indicator, keep_rate=0.7, **options)

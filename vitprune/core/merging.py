@@ -46,11 +46,31 @@ class Matched(NamedTuple):
 def key_metric(keys: torch.Tensor, num_prefix: int) -> torch.Tensor:
     """``(B, N, d)`` unit vectors: the non-prefix keys ``(B, H, P + N, d)`` averaged over heads.
 
-    Detached: only indices leave a matching, so no gradient is recorded for it, and the new
-    tensors are normalised in place (an operation's allocation saved in every block)."""
+    In float32 at least, whatever the keys' dtype: in bfloat16 (8 bits of mantissa) the
+    cosines of near copies tie or swap, and a bfloat16 model would merge other tokens than
+    the same model in float32 (see :func:`cosines`). Detached: only indices leave a
+    matching, so no gradient is recorded for it, and the new tensors are normalised in place
+    (an operation's allocation saved in every block)."""
     keys = untracked(keys)
-    metric = (keys[:, :, num_prefix:] if num_prefix else keys).sum(dim=1)  # the norm divides the 1 / H out
+    dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32  # a Python test: no operator
+    metric = (keys[:, :, num_prefix:] if num_prefix else keys).sum(dim=1, dtype=dtype)  # the norm divides the 1 / H out
     return metric.div_(torch.linalg.vector_norm(metric, dim=-1, keepdim=True).clamp_min_(1e-12))
+
+
+#: Devices whose autocast :func:`cosines` turns off (``torch.is_autocast_enabled`` refuses
+#: devices without autocast, and ``torch.amp.is_autocast_available`` breaks torch 2.4's graphs).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(B, m, n)``: every row of ``a`` ``(B, m, d)`` against every row of ``b`` ``(B, n, d)``
+    (unit vectors: cosines), in their own dtype even under CPU or CUDA autocast, which would
+    compute a float32 product in float16 or bfloat16."""
+    device = a.device.type
+    if device in AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return torch.bmm(a, b.mT)
+    return torch.bmm(a, b.mT)
 
 
 #: Cosine similarity above which a destination counts towards a candidate's crowding with its
@@ -92,7 +112,7 @@ def _positions_in(keep: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tens
 def match_top(scores: torch.Tensor, metric: torch.Tensor, k: int) -> Matched:
     """Keep the ``k`` best-scored tokens; match each removed one to its most similar kept token."""
     sel = select_top(scores, k)
-    similarity = gather_tokens(metric, sel.drop) @ gather_tokens(metric, sel.keep).transpose(1, 2)
+    similarity = cosines(gather_tokens(metric, sel.drop), gather_tokens(metric, sel.keep))
     return Matched(sel.keep, sel.drop, similarity.argmax(dim=-1))
 
 
@@ -157,7 +177,7 @@ def _bipartite_round(metric: torch.Tensor, k: int, crowding: float = 0.0) -> Mat
     ``order = [evens, odds]`` and ``concat``, written out for speed."""
     B, n, _ = metric.shape
     metric = untracked(metric)
-    ranked, partner = _removal_order(metric[:, 1::2] @ metric[:, 0::2].transpose(1, 2), crowding)
+    ranked, partner = _removal_order(cosines(metric[:, 1::2], metric[:, 0::2]), crowding)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:]
     stay = stays.sort(dim=1).values * 2 + 1
     destinations = torch.arange(0, n, 2, device=metric.device).expand(B, -1)
@@ -175,7 +195,7 @@ def _match(order: torch.Tensor, split: int, metric: torch.Tensor, k: int, concat
     n = order.shape[1]
     dst, src = order[:, :split], order[:, split:]
     metric = untracked(metric)
-    similarity = gather_tokens(metric, src) @ gather_tokens(metric, dst).transpose(1, 2)
+    similarity = cosines(gather_tokens(metric, src), gather_tokens(metric, dst))
     best, partner = similarity.max(dim=-1)  # (B, n - split): each candidate's closest destination
     ranked = descending_order(best)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:]
@@ -278,7 +298,7 @@ def bipartite_merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tenso
                          f"n = {n} tokens, got k = {k}")
     metric = key_metric(keys, 0)  # the prefix's too, unused: no slice, the two sets are strided views
     # no gradient reaches the matching: only indices leave it
-    ranked, partner = _removal_order(torch.bmm(metric[:, P + 1::2], metric[:, P::2].mT), crowding)
+    ranked, partner = _removal_order(cosines(metric[:, P + 1::2], metric[:, P::2]), crowding)
     removed, stays = ranked[:, :n - k], ranked[:, n - k:].sort(dim=1).values
     m = stays.shape[1]
     dest = partner.gather(1, removed)  # each removed candidate's destination, 0.. among the evens

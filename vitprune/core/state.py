@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,6 +43,8 @@ class Scored(NamedTuple):
 MakePositions = Callable[[Optional[torch.Tensor]], torch.Tensor]
 #: Works out a stage's slots (``merging.token_slots``): where each token it received went.
 MakeSlots = Callable[[], torch.Tensor]
+#: Gives a stage's kept indices (into the tokens it received).
+MakeKeep = Callable[[], torch.Tensor]
 
 
 class ForwardRecords:
@@ -314,12 +316,11 @@ class PruneState:
         return x
 
     def _reduce(self, x: torch.Tensor, scored: Scored, scores: Optional[torch.Tensor], sizes: torch.Tensor,
-                k: int) -> Tuple[torch.Tensor, Union[torch.Tensor, Callable[[], torch.Tensor]], Optional[torch.Tensor],
-                                 torch.Tensor, MakeSlots]:
-        """The selection and reduction of the config: the new tokens, the kept indices (or a
-        function giving them, when nothing else needs them), the removed ones (``None`` where no
-        fusion token needs them), the kept tokens' sizes, and a function giving the slots
-        (``merging.token_slots``)."""
+                k: int) -> Tuple[torch.Tensor, MakeKeep, Optional[torch.Tensor], torch.Tensor, MakeSlots]:
+        """The selection and reduction of the config: the new tokens, a function giving the kept
+        indices (worked out when read where nothing else needs them), the removed ones (``None``
+        where no fusion token needs them), the kept tokens' sizes, and a function giving the
+        slots (``merging.token_slots``)."""
         config, P = self.config, self.num_prefix
         n = sizes.shape[1]
         if config.selection == "bipartite" and config.reduction == "merge" and 2 * k >= n:
@@ -330,7 +331,7 @@ class PruneState:
         if config.selection == "top" and config.reduction != "merge":
             assert scores is not None  # a selection by score (``needs_scores``)
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
-            return (x, sel.keep, sel.drop, sizes.gather(1, sel.keep),
+            return (x, functools.partial(_given, sel.keep), sel.drop, sizes.gather(1, sel.keep),
                     functools.partial(token_slots, sel.keep, sel.drop, removed_into))
         metric = key_metric(scored.keys, P)
         if config.selection == "bipartite":
@@ -340,10 +341,10 @@ class PruneState:
             matched = match_top(scores, metric, k) if config.selection == "top" else match_redundant(scores, metric, k)
         if config.reduction == "merge":
             merged_tokens, sizes_kept = merge_tokens(x, sizes, matched, P)
-            return (merged_tokens, matched.keep, matched.drop, sizes_kept,
+            return (merged_tokens, functools.partial(_given, matched.keep), matched.drop, sizes_kept,
                     functools.partial(token_slots, matched.keep, matched.drop, matched.dest))
         x = keep_or_fuse(x, matched.keep, matched.drop, P, config.reduction == "fuse", scores, config.T)
-        return (x, matched.keep, matched.drop, sizes.gather(1, matched.keep),
+        return (x, functools.partial(_given, matched.keep), matched.drop, sizes.gather(1, matched.keep),
                 functools.partial(token_slots, matched.keep, matched.drop, removed_into))
 
     def token_groups(self) -> List[torch.Tensor]:
@@ -362,10 +363,15 @@ def _unchanged(B: int, n: int, device: torch.device, previous: Optional[torch.Te
     return torch.arange(n, device=device).expand(B, n) if previous is None else previous
 
 
-def _kept(keep: Union[torch.Tensor, Callable[[], torch.Tensor]], fused: bool,
-          previous: Optional[torch.Tensor]) -> torch.Tensor:
-    """A stage that kept ``keep`` (indices into its input, or a function giving them), and a
-    fusion token (``-1``) after them when ``fused``."""
-    keep = keep() if callable(keep) else keep
+def _given(indices: torch.Tensor) -> torch.Tensor:
+    """``indices``: a :data:`MakeKeep` for indices already worked out."""
+    return indices
+
+
+def _kept(make_keep: MakeKeep, fused: bool, previous: Optional[torch.Tensor]) -> torch.Tensor:
+    """A stage that kept ``make_keep()`` (indices into its input), and a fusion token (``-1``)
+    after them when ``fused``. (A function in every case: telling a tensor from a
+    ``functools.partial`` is what torch 2.6's dynamo cannot trace.)"""
+    keep = make_keep()
     kept = keep if previous is None else previous.gather(1, keep)
     return torch.cat([kept, kept.new_full((kept.shape[0], 1), -1)], dim=1) if fused else kept
