@@ -60,6 +60,26 @@ def test_bench_training_step_with_memory_and_csv(tmp_path):
     assert "medad keep 0.5 @1,2" in lines[2]
 
 
+def test_bench_bf16_weights_times_bfloat16_models_without_autocast(tmp_path, monkeypatch):
+    import vitprune.commands.bench as bench
+
+    timed, make_step = [], bench.make_step
+
+    def recording(model, x, mode, dtype, compiled=False):
+        timed.append((next(model.parameters()).dtype, x.dtype, dtype))
+        return make_step(model, x, mode, dtype, compiled)
+
+    monkeypatch.setattr(bench, "make_step", recording)
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.5", "--indicators", "default", "var",
+                 "--baseline", "merge", "--dtype", "bf16-weights", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["dtype"] for r in rows] == ["bf16-weights"] * 4
+    # every model and its images in bfloat16, and no autocast (float32 turns it off in make_step)
+    assert timed == [(torch.bfloat16, torch.bfloat16, torch.float32)] * 4
+    assert all(r["images_per_s"] > 0 and r["gflops"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("options, message", [
     (["--model", "no_such_model"], "unknown timm model 'no_such_model'"),
     (["--keep-rates", "1.5"], "keep_rate must be in (0, 1]"),
@@ -70,6 +90,7 @@ def test_bench_training_step_with_memory_and_csv(tmp_path):
     (["--indicators", "entropy"], "invalid choice"),
     (["--batch", "0"], "positive integer"),
     (["--model", "xcit_nano_12_p16_224"], "its cross-covariance attention mixes channels"),
+    (["--dtype", "bf16-weights", "--mode", "train"], "--dtype bf16-weights times inference only"),
 ])
 def test_bad_options_exit_non_zero_with_a_message(options, message, capsys):
     try:

@@ -39,7 +39,10 @@ from .parsers import CLASS_ONLY, DEFAULT
 #: ``Setting.indicator`` of the token-merging baseline.
 MERGING = "merging"
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: ``--dtype``: the autocast dtype (float32: no autocast) ...
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-weights": torch.float32}
+#: ... and the dtype the weights and images are cast to, where not float32.
+WEIGHTS = {"bf16-weights": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -209,8 +212,8 @@ def _cpu_step_builder(name: str, setting: Setting, model_kwargs: dict, batch: in
     """Runs in the memory child: the same model, input and step as the timed ones."""
     if threads:
         torch.set_num_threads(threads)
-    model = build_model(name, setting, "cpu", **model_kwargs)
-    x = torch.randn(batch, 3, *input_size(model, model_kwargs.get("img_size")))
+    model = build_model(name, setting, "cpu", **model_kwargs).to(WEIGHTS.get(dtype_name, torch.float32))
+    x = torch.randn(batch, 3, *input_size(model, model_kwargs.get("img_size")), dtype=WEIGHTS.get(dtype_name))
     return make_step(model, x, mode, DTYPES[dtype_name])
 
 
@@ -229,10 +232,13 @@ def run(args: argparse.Namespace) -> List[Row]:
 
     base = build_model(args.model, Setting(), args.device, **model_kwargs)
     check_model(base)  # before anything reads a ViT's attributes: a clear refusal for a ResNet
+    weights = WEIGHTS.get(args.dtype)
+    if weights is not None:  # cast before patching: every setting is a copy of these weights
+        base = base.to(weights)
     size = input_size(base, args.img_size)
     if getattr(args, "baseline", None) == "merge":
         grid += merging_settings(base, args.keep_rates, size, forced)
-    x = torch.randn(args.batch, 3, *size, device=device)
+    x = torch.randn(args.batch, 3, *size, device=device, dtype=weights)
     models = {s.label: (base if s.indicator is None else patch(copy.deepcopy(base), s.config())) for s in grid}
     compiled = {label: args.compile == "all" for label in models}
     steps = {label: make_step(model, x, args.mode, dtype, compiled[label]) for label, model in models.items()}
@@ -321,6 +327,9 @@ def validate(args: argparse.Namespace) -> Optional[str]:
         return f"--out must end in .json or .csv, got {args.out!r}"
     if args.warmup < 0:
         return f"--warmup must be >= 0, got {args.warmup}"
+    if args.dtype in WEIGHTS and args.mode != "infer":
+        return (f"--dtype {args.dtype} times inference only (--mode infer): training needs float32 "
+                f"weights; for mixed precision use --dtype bf16 (autocast)")
     try:
         for combination in itertools.product(args.indicators, args.keep_rates, args.stages or [None],
                                              [None, *args.overlap_strides]):

@@ -18,7 +18,7 @@ DEFAULT = "default"
 #: What ``bench`` times.
 MODES = ("infer", "train")
 #: ``bench --dtype`` choices.
-DTYPE_NAMES = ("fp32", "bf16")
+DTYPE_NAMES = ("fp32", "bf16", "bf16-weights")
 #: ``demo``'s keep rates.
 DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 
@@ -104,7 +104,10 @@ the ideal ratio from the FLOP counts.""")
     parser.add_argument("--mode", choices=MODES, default="infer",
                         help="infer: forward only; train: forward + backward + optimizer step")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32", help="bf16 runs under autocast")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32",
+                        help="bf16 runs under autocast (which casts the weights again at every step); "
+                             "bf16-weights casts the weights and images to bfloat16 (inference only: "
+                             "the fast path of CPUs with bfloat16 matrix units)")
     parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--compile", nargs="?", const="all", choices=("all", "both"), default=None,
                         help="torch.compile every model ('all', the default when given), or time every "
