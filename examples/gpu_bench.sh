@@ -13,8 +13,12 @@
 # from a source checkout without installing (python -m vitprune). It writes 13 files; where
 # only a few can come back, tar OUT_DIR into one.
 set -uo pipefail
-out="${1:-docs/bench}"
-mkdir -p "$out"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$root/docs/bench}"
+mkdir -p "$out" && out="$(cd "$out" && pwd)"  # a relative OUT_DIR is the caller's, as before
+cd "$root"
+# the checkout's vitprune for the example scripts too (python examples/x.py puts examples/ first on sys.path)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 step() { echo "== $*" >&2; "$@" || { echo "FAILED ($?): $*" >&2; failed=1; }; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu_name.txt"
