@@ -8,7 +8,8 @@ vitprune's defaults and the paper's method (var) at keep 0.7, and token merging 
 defaults' FLOPs, each run eagerly and replayed from a graph captured once
 (``torch.cuda.CUDAGraph``; a patched forward reads nothing back to the host, see
 tests/test_device_only.py, which is what capture needs). Interleaved rounds, median; each
-speedup is over the unpruned model run the same way, in the same rounds. Before timing it
+speedup is over the unpruned model run the same way, in the same rounds
+(``vitprune bench``'s ``time_interleaved``: rotating order, two warm-up rounds). Before timing it
 checks that a replay gives what an eager call gives on new images (to bfloat16's resolution),
 and exits non-zero if not.
 ``--device cpu`` times the eager column alone, to see that the script still runs before a GPU
@@ -19,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
-import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict
 
 import timm
 import torch
 
 import vitprune
+from vitprune.commands.bench import time_interleaved
 from vitprune.core.config import PAPER_OPTIONS
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -72,20 +72,12 @@ def graphed(model: torch.nn.Module, example: torch.Tensor, warmup: int = 3) -> F
     return forward
 
 
-def time_interleaved(calls: Dict[str, Callable[[], object]], rounds: int, repeats: int,
-                     sync: Callable[[], None]) -> Dict[str, float]:
-    """Median seconds per call of each of ``calls``, ``repeats`` calls a reading, all of them
-    in every round."""
-    times: Dict[str, List[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                call()
-            sync()
-            times[name].append((time.perf_counter() - start) / repeats)
-    return {name: statistics.median(t) for name, t in times.items()}
+def repeated(call: Callable[[], object], times: int) -> Callable[[], None]:
+    """``call`` run ``times`` times in a row: one reading of a step too short to time alone."""
+    def run() -> None:
+        for _ in range(times):
+            call()
+    return run
 
 
 def main() -> int:
@@ -118,7 +110,9 @@ def main() -> int:
                           f"{difference:.3g}")
                     calls[f"{label}, graph"] = lambda f=replay: f(x)
             repeats = 1 if batch >= 64 else 20
-            medians = time_interleaved(calls, args.rounds, repeats, sync)
+            seconds = time_interleaved({label: repeated(call, repeats) for label, call in calls.items()},
+                                       args.rounds, warmup=2, sync=sync, progress=False)
+            medians = {label: total / repeats for label, total in seconds.items()}
             print(f"\n{name}, batch {batch}, bf16, {device.type}, median of {args.rounds} interleaved rounds"
                   f"{'' if repeats == 1 else f' ({repeats} calls a reading)'}")
             for label, seconds in medians.items():

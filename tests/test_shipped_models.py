@@ -1,5 +1,8 @@
 """The shipped checkpoints and test subsets, and the demo that uses them."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,10 @@ from vitprune.commands.demo import settings_of
 from vitprune.data.shipped import (build, checkpoint_path, load_checkpoint, load_shipped, load_test_subset,
                                    subset_path)
 from vitprune.data.accuracy import accuracy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from gpu_checks import agreement  # noqa: E402  (kept-set agreement, as the CUDA checks measure it)
 
 
 @pytest.mark.parametrize("dataset", datasets.DATASETS)
@@ -53,13 +60,6 @@ def test_subset_accuracy_matches_the_recorded_full_test_accuracy(dataset):
     assert abs(accuracy(model, images, labels) - record["test_accuracy"]) < 0.02
 
 
-def kept_share(reference, got):
-    """Mean over images and stages of the share of ``reference``'s kept patches ``got`` keeps too."""
-    shares = [torch.isin(a[i][a[i] >= 0], b[i][b[i] >= 0]).float().mean()
-              for a, b in zip(reference, got) for i in range(len(a))]
-    return torch.stack(shares).mean().item()
-
-
 @pytest.mark.parametrize("dataset", datasets.DATASETS)
 def test_a_bfloat16_model_merges_the_tokens_its_float32_self_does(dataset):
     """The matching works in float32 whatever the model's dtype (``merging.key_metric``): with
@@ -72,7 +72,7 @@ def test_a_bfloat16_model_merges_the_tokens_its_float32_self_does(dataset):
         model(x)
         reference = vitprune.kept_positions(model)
         model.to(torch.bfloat16)(x.to(torch.bfloat16))
-    assert kept_share(reference, vitprune.kept_positions(model)) > 0.98
+    assert agreement(reference, vitprune.kept_positions(model)) > 0.98
 
 
 @pytest.mark.slow
