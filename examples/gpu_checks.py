@@ -10,8 +10,12 @@ weights, the largest difference from the unpatched model with nothing pruned, on
 for token-pooled ones, of the defaults (``class_only_last`` on) from the same patch without it);
 the defaults' gradients with and without gradient checkpointing; a batch of deit_small
 against each image alone (float64); and the nothing-pruned difference for ``transformers``
-ViT and SigLIP (eager and sdpa) when it is installed. Prints one line per check; exits
-non-zero if any output is not finite or the checkpointing or batch check fails. ``--device
+ViT and SigLIP (eager and sdpa) when it is installed. Last, repeatability: how far two
+calls on the same images differ for the defaults, the paper's method, dropping and token
+merging (bf16 weights, batch 64), plainly and under ``torch.use_deterministic_algorithms``,
+where each must repeat bit for bit and train (merging sums tokens with ``index_add_``, whose
+CUDA kernel adds atomically in no fixed order). Prints one line per check; exits non-zero if
+any output is not finite or the checkpointing, batch or repeatability check fails. ``--device
 cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
 runs before a GPU is at hand; its figures say nothing about a GPU.
 """
@@ -19,16 +23,19 @@ runs before a GPU is at hand; its figures say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import sys
 
-import timm
-import torch
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
+import timm  # noqa: E402
+import torch  # noqa: E402
 
-import vitprune
-from vitprune.core.config import PAPER_OPTIONS
-from vitprune.core.registry import family_of
-from vitprune.data import datasets
-from vitprune.data import shipped as demo_models
+import vitprune  # noqa: E402
+from vitprune.core.config import PAPER_OPTIONS  # noqa: E402
+from vitprune.core.registry import family_of  # noqa: E402
+from vitprune.data import datasets  # noqa: E402
+from vitprune.data import shipped as demo_models  # noqa: E402
 
 
 def agreement(reference, got) -> float:
@@ -83,6 +90,7 @@ def main() -> int:
     ok &= checkpointing_check(device)
     ok &= per_image_check(device)
     ok &= transformers_checks(device)
+    ok &= repeatability_check(device)
     return 0 if ok else 1
 
 
@@ -120,6 +128,45 @@ def per_image_check(device: torch.device) -> bool:
         ok &= error < 1e-6
         print(f"deit_small {name}, batch of 4 against each image alone, {device.type} fp64: max abs difference {error:.2e}")
     return ok
+
+
+def repeatability_check(device: torch.device, batch: int = 64) -> bool:
+    """Two calls of deit_small (random bf16 weights) on the same images: the largest difference,
+    plainly and under ``torch.use_deterministic_algorithms`` (which must be 0, with a training
+    forward and backward that runs), for the defaults, the paper's method, dropping and token
+    merging at the defaults' FLOPs."""
+    torch.manual_seed(0)
+    base = timm.create_model("deit_small_patch16_224").to(device, torch.bfloat16).eval()
+    defaults = vitprune.patch(copy.deepcopy(base), keep_rate=0.7)
+    settings = {"defaults": defaults,
+                "paper (var)": vitprune.patch(copy.deepcopy(base), keep_rate=0.7, indicator="var", **PAPER_OPTIONS),
+                "drop": vitprune.patch(copy.deepcopy(base), keep_rate=0.7, reduction="drop"),
+                "token merging": vitprune.patch(copy.deepcopy(base), vitprune.fit_merging(
+                    base, vitprune.analytic_flops(defaults) / 1e9))}
+    x = torch.randn(batch, 3, 224, 224, device=device, dtype=torch.bfloat16)
+    ok, before = True, torch.are_deterministic_algorithms_enabled()
+    for name, model in settings.items():
+        plain = _spread(model, x)
+        torch.use_deterministic_algorithms(True)
+        try:
+            fixed = _spread(model, x)
+            model.train()
+            model(x[:8]).float().square().mean().backward()
+            trains = "and trains"
+        except RuntimeError as error:  # an operator with no deterministic kernel
+            fixed, trains = float("nan"), f"failed: {error}"
+        finally:
+            torch.use_deterministic_algorithms(before)
+            model.eval()
+        ok &= fixed == 0.0
+        print(f"deit_small {name}, bf16 batch {batch} on {device.type}, two calls on the same images: largest "
+              f"difference {plain:.3g}; under deterministic algorithms {fixed:.3g} {trains}")
+    return ok
+
+
+def _spread(model: torch.nn.Module, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (model(x).float() - model(x).float()).abs().max().item()
 
 
 def transformers_checks(device: torch.device) -> bool:

@@ -40,3 +40,20 @@ def test_a_replayed_graph_gives_the_eager_output_on_new_images(batch):
     replay = gpu_cuda_graph.graphed(model, x)
     fresh = torch.randn_like(x)
     torch.testing.assert_close(replay(fresh), gpu_cuda_graph.eager(model)(fresh))
+
+
+def test_deterministic_restores_the_setting_it_found():
+    assert not torch.are_deterministic_algorithms_enabled()
+    with gpu_cuda_graph.deterministic():
+        assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(KeyError), gpu_cuda_graph.deterministic():
+        raise KeyError("an error inside the block")
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_under_deterministic_algorithms_a_bf16_replay_is_the_eager_forward_bit_for_bit():
+    model = vitprune.patch(small_vit().cuda().to(torch.bfloat16), keep_rate=0.7)
+    x = images(model, batch=16).cuda().to(torch.bfloat16)
+    assert gpu_cuda_graph.replay_difference(model, x) == 0.0
