@@ -11,16 +11,19 @@
 # Each step's output is written to OUT_DIR (default docs/bench) as it runs; a failing step
 # is reported and the rest still run, and the exit status is non-zero if any failed. Runs
 # from a source checkout without installing (python -m vitprune). It writes 13 files; where
-# only a few can come back, tar OUT_DIR into one.
+# only a few can come back, set GPU_BENCH_TAR=FILE: OUT_DIR is packed into that one .tgz after
+# every step, so a run stopped by a time limit still returns every step that finished.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${1:-$root/docs/bench}"
 mkdir -p "$out" && out="$(cd "$out" && pwd)"  # a relative OUT_DIR is the caller's, as before
+[ -z "${GPU_BENCH_TAR:-}" ] || GPU_BENCH_TAR="$(cd "$(dirname "$GPU_BENCH_TAR")" && pwd)/$(basename "$GPU_BENCH_TAR")"
 cd "$root"
 # the checkout's vitprune for the example scripts too (python examples/x.py puts examples/ first on sys.path)
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
-step() { echo "== $*" >&2; "$@" || { echo "FAILED ($?): $*" >&2; failed=1; }; }
+pack() { [ -z "${GPU_BENCH_TAR:-}" ] || tar czf "$GPU_BENCH_TAR" -C "$out" .; }
+step() { echo "== $*" >&2; "$@" || { echo "FAILED ($?): $*" >&2; failed=1; }; pack; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu_name.txt"
 python -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__)" | tee -a "$out/gpu_name.txt"
 step bash -o pipefail -c "python examples/gpu_checks.py | tee '$out/gpu_checks.txt'"

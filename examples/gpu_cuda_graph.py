@@ -5,7 +5,11 @@ whether graphs take away the host cost that holds the defaults' eager speedup do
 
 For each model and batch (bfloat16 weights, inference, random weights): the unpruned model,
 vitprune's defaults and the paper's method (var) at keep 0.7, and token merging fitted to the
-defaults' FLOPs, each run eagerly and replayed from a graph captured once
+defaults' FLOPs; and two rows that take the defaults apart: with their matching and merging
+replaced by a slice to the same token counts (``step_cost.free_step``: what the defaults
+would read if their reduction step cost nothing), and without size-aware attention (no
+additive bias, so the attention may take a kernel that accepts none). Each is run eagerly
+and replayed from a graph captured once
 (``torch.cuda.CUDAGraph``; a patched forward reads nothing back to the host, see
 tests/test_device_only.py, which is what capture needs). Interleaved rounds, median; each
 speedup is over the unpruned model run the same way, in the same rounds
@@ -33,21 +37,38 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's conditio
 import timm  # noqa: E402
 import torch  # noqa: E402
 
-import vitprune
-from vitprune.commands.bench import time_interleaved
-from vitprune.core.config import PAPER_OPTIONS
+import vitprune  # noqa: E402
+from vitprune.commands.bench import time_interleaved  # noqa: E402
+from vitprune.core.config import PAPER_OPTIONS  # noqa: E402
+from step_cost import free_step  # noqa: E402  (examples/, first on sys.path when run as a script)
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
+class FreeStep(torch.nn.Module):
+    """``model`` (patched) called with its matching and merging replaced by a slice to the
+    same token counts (``step_cost.free_step``); a graph captured from it replays that."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with free_step():
+            return self.model(x)
+
+
 def settings(model: torch.nn.Module, keep_rate: float = 0.7) -> Dict[str, torch.nn.Module]:
-    """The unpruned ``model``, and copies of it patched with the defaults, the paper's method
-    and token merging at the defaults' analytic FLOPs."""
+    """The unpruned ``model``; copies of it patched with the defaults, the paper's method and
+    token merging at the defaults' analytic FLOPs; the defaults with a free reduction step
+    (:class:`FreeStep`) and without size-aware attention."""
     defaults = vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate)
     merging = vitprune.fit_merging(model, vitprune.analytic_flops(defaults) / 1e9)
     return {"unpruned": model, "defaults": defaults,
             "paper (var)": vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate, indicator="var", **PAPER_OPTIONS),
-            "token merging": vitprune.patch(copy.deepcopy(model), merging)}
+            "token merging": vitprune.patch(copy.deepcopy(model), merging),
+            "defaults, free step": FreeStep(vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate)),
+            "defaults, no size bias": vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate, size_aware=False)}
 
 
 def eager(model: torch.nn.Module) -> Forward:
@@ -148,7 +169,7 @@ def main() -> int:
                   f"{'' if repeats == 1 else f' ({repeats} calls a reading)'}")
             for label, seconds in medians.items():
                 reference = medians["unpruned, graph" if label.endswith("graph") else "unpruned, eager"]
-                print(f"  {label:28s} {seconds * 1e3:8.3f} ms  {reference / seconds:6.3f}x")
+                print(f"  {label:32s} {seconds * 1e3:8.3f} ms  {reference / seconds:6.3f}x")
             print()
     if not ok:
         print("FAILED: a replay differs from the eager forward")

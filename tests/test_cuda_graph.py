@@ -15,13 +15,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpu_cuda_graph  # noqa: E402
 
 
-def test_the_settings_are_the_unpruned_model_and_three_reductions_at_the_defaults_cost():
+def test_the_settings_are_the_unpruned_model_and_reductions_at_the_defaults_cost():
     model = small_vit(depth=6)
     models = gpu_cuda_graph.settings(model)
     assert models["unpruned"] is model and not vitprune.is_patched(model)
-    flops = {label: vitprune.analytic_flops(m) for label, m in models.items()}
+    flops = {label: vitprune.analytic_flops(getattr(m, "model", m)) for label, m in models.items()}
     assert 0.9 * flops["defaults"] < flops["token merging"] <= flops["defaults"] < flops["unpruned"]
     assert vitprune.get_config(models["paper (var)"]).selection == "top"
+    assert not vitprune.get_config(models["defaults, no size bias"]).size_aware
+    assert flops["defaults, no size bias"] <= flops["defaults"] == flops["defaults, free step"]
+
+
+def test_the_free_step_row_is_the_defaults_schedule_with_a_slice_for_its_step():
+    """Same token counts in every block as the defaults, other tokens (the first ones), and
+    the real merge back in place once the call returns."""
+    model = small_vit(depth=6)
+    models = gpu_cuda_graph.settings(model)
+    x = images(model, batch=2)
+    counts = {}
+    for label in ("defaults", "defaults, free step"):
+        seen = counts[label] = []
+        blocks = models["defaults"].blocks if label == "defaults" else models[label].model.blocks
+        hooks = [block.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].shape[1]))
+                 for block in blocks]
+        with torch.no_grad():
+            out = models[label](x)
+        for hook in hooks:
+            hook.remove()
+        counts[label + " out"] = out
+    assert counts["defaults"] == counts["defaults, free step"] and counts["defaults"][-1] < counts["defaults"][0]
+    assert not torch.allclose(counts["defaults out"], counts["defaults, free step out"])
+    with torch.no_grad():
+        assert torch.equal(models["defaults"](x), counts["defaults out"])  # the real step is back
 
 
 def test_eager_forward_is_the_model_in_inference_mode():
