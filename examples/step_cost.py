@@ -23,6 +23,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
 - ``defaults with crowding W`` (``--crowding W ...``, none by default): the defaults with
   crowding in their matching (docs/method.md §4): the same tokens and FLOPs, a few more
   elementwise operations per step.
+- ``defaults without size-aware attention`` (``--no-size-bias``): the same tokens and merge
+  with no ``+log s`` on the attention logits, so the attention runs without an additive
+  mask: what the bias costs in time.
 - ``--class-only``: the defaults with ``class_only_last`` (the last block computes the class
   token alone): at the same keep rate (fewer FLOPs), and fitted to the defaults' FLOPs
   (``fit_keep_rate``; more tokens kept in the other blocks).
@@ -103,6 +106,8 @@ def main() -> None:
                         help="also the defaults' method in every S-th block only, at the defaults' FLOPs")
     parser.add_argument("--crowding", type=float, nargs="*", default=[],
                         help="also the defaults with this crowding weight (patch(crowding=W)): the same tokens")
+    parser.add_argument("--no-size-bias", action="store_true",
+                        help="also the defaults without size-aware attention (patch(size_aware=False))")
     parser.add_argument("--class-only", action="store_true",
                         help="also the defaults with class_only_last, at their keep rate and at their FLOPs")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -129,6 +134,10 @@ def main() -> None:
     for weight in args.crowding:
         config = dataclasses.replace(defaults, crowding=weight)
         name = f"defaults with crowding {weight:g}"
+        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+    if args.no_size_bias:
+        config = dataclasses.replace(defaults, size_aware=False)
+        name = "defaults without size-aware attention"
         models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
     if args.class_only:
         rate = vitprune.fit_keep_rate(model, flops["defaults"] / 1e9, class_only_last=True)

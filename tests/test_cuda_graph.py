@@ -9,6 +9,7 @@ import torch
 
 import vitprune
 from conftest import images, small_vit
+from test_step_cost import block_token_counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -27,26 +28,16 @@ def test_the_settings_are_the_unpruned_model_and_reductions_at_the_defaults_cost
 
 
 def test_the_free_step_row_is_the_defaults_schedule_with_a_slice_for_its_step():
-    """Same token counts in every block as the defaults, other tokens (the first ones), and
-    the real merge back in place once the call returns."""
-    model = small_vit(depth=6)
-    models = gpu_cuda_graph.settings(model)
-    x = images(model, batch=2)
-    counts = {}
-    for label in ("defaults", "defaults, free step"):
-        seen = counts[label] = []
-        blocks = models["defaults"].blocks if label == "defaults" else models[label].model.blocks
-        hooks = [block.register_forward_pre_hook(lambda _, args, seen=seen: seen.append(args[0].shape[1]))
-                 for block in blocks]
-        with torch.no_grad():
-            out = models[label](x)
-        for hook in hooks:
-            hook.remove()
-        counts[label + " out"] = out
-    assert counts["defaults"] == counts["defaults, free step"] and counts["defaults"][-1] < counts["defaults"][0]
-    assert not torch.allclose(counts["defaults out"], counts["defaults, free step out"])
-    with torch.no_grad():
-        assert torch.equal(models["defaults"](x), counts["defaults out"])  # the real step is back
+    """Same token counts in every block as the defaults, other tokens, and the real merge
+    back in place once the call returns."""
+    models = gpu_cuda_graph.settings(small_vit(depth=6))
+    x = images(models["unpruned"], batch=2)
+    real, real_out = block_token_counts(models["defaults"], x)
+    free = models["defaults, free step"]
+    free_counts, free_out = block_token_counts(free.model, x, call=free)
+    assert free_counts == real and real[-1] < real[0]
+    assert not torch.allclose(free_out, real_out)
+    assert torch.equal(block_token_counts(free.model, x)[1], real_out)  # the real step is back
 
 
 def test_eager_forward_is_the_model_in_inference_mode():

@@ -17,14 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import step_cost  # noqa: E402
 
 
-def block_token_counts(model, x):
-    """The tokens each block hands on, and the model's output."""
+def block_token_counts(model, x, call=None):
+    """The tokens each of ``model``'s blocks hands on, and the output of ``call`` (default:
+    ``model``) on ``x``."""
     counts = []
     hooks = [block.register_forward_hook(lambda module, args, out: counts.append(out.shape[1]))
              for block in model.blocks]
     try:
         with torch.inference_mode():
-            out = model(x)
+            out = (call or model)(x)
     finally:
         for hook in hooks:
             hook.remove()
