@@ -36,6 +36,7 @@ from vitprune.core.config import PAPER_OPTIONS  # noqa: E402
 from vitprune.core.registry import family_of  # noqa: E402
 from vitprune.data import datasets  # noqa: E402
 from vitprune.data import shipped as demo_models  # noqa: E402
+from gpu_cuda_graph import deterministic, eager_spread  # noqa: E402  (examples/, first on sys.path)
 
 
 def agreement(reference, got) -> float:
@@ -144,29 +145,23 @@ def repeatability_check(device: torch.device, batch: int = 64) -> bool:
                 "token merging": vitprune.patch(copy.deepcopy(base), vitprune.fit_merging(
                     base, vitprune.analytic_flops(defaults) / 1e9))}
     x = torch.randn(batch, 3, 224, 224, device=device, dtype=torch.bfloat16)
-    ok, before = True, torch.are_deterministic_algorithms_enabled()
+    ok = True
     for name, model in settings.items():
-        plain = _spread(model, x)
-        torch.use_deterministic_algorithms(True)
+        plain = eager_spread(model, x)
         try:
-            fixed = _spread(model, x)
-            model.train()
-            model(x[:8]).float().square().mean().backward()
+            with deterministic():
+                fixed = eager_spread(model, x)
+                model.train()
+                model(x[:8]).float().square().mean().backward()
             trains = "and trains"
         except RuntimeError as error:  # an operator with no deterministic kernel
             fixed, trains = float("nan"), f"failed: {error}"
         finally:
-            torch.use_deterministic_algorithms(before)
             model.eval()
         ok &= fixed == 0.0
         print(f"deit_small {name}, bf16 batch {batch} on {device.type}, two calls on the same images: largest "
               f"difference {plain:.3g}; under deterministic algorithms {fixed:.3g} {trains}")
     return ok
-
-
-def _spread(model: torch.nn.Module, x: torch.Tensor) -> float:
-    with torch.no_grad():
-        return (model(x).float() - model(x).float()).abs().max().item()
 
 
 def transformers_checks(device: torch.device) -> bool:

@@ -3,6 +3,9 @@ backward) and repeats bit for bit there: the way to reproducible outputs on CUDA
 merge's ``index_add_`` otherwise adds atomically in no fixed order (examples/gpu_checks.py
 measures that spread on a GPU). On CPU, and on CUDA where one is present."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -10,15 +13,17 @@ import torch
 import vitprune
 from test_device_only import OPTIONS
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import gpu_cuda_graph  # noqa: E402
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture
 def deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+    with gpu_cuda_graph.deterministic():
+        yield
 
 
 @pytest.mark.parametrize("device", DEVICES)
