@@ -14,7 +14,8 @@ ViT and SigLIP (eager and sdpa) when it is installed. Last, repeatability: how f
 calls on the same images differ for the defaults, the paper's method, dropping and token
 merging (bf16 weights, batch 64), plainly and under ``torch.use_deterministic_algorithms``,
 where each must repeat bit for bit and train (merging sums tokens with ``index_add_``, whose
-CUDA kernel adds atomically in no fixed order). Prints one line per check; exits non-zero if
+CUDA kernel adds atomically in no fixed order), and what that mode costs in time (11
+interleaved rounds, median). Prints one line per check; exits non-zero if
 any output is not finite or the checkpointing, batch or repeatability check fails. ``--device
 cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
 runs before a GPU is at hand; its figures say nothing about a GPU.
@@ -36,6 +37,7 @@ from vitprune.core.config import PAPER_OPTIONS  # noqa: E402
 from vitprune.core.registry import family_of  # noqa: E402
 from vitprune.data import datasets  # noqa: E402
 from vitprune.data import shipped as demo_models  # noqa: E402
+from vitprune.commands.bench import time_interleaved  # noqa: E402
 from gpu_cuda_graph import deterministic, eager_spread  # noqa: E402  (examples/, first on sys.path)
 
 
@@ -160,8 +162,25 @@ def repeatability_check(device: torch.device, batch: int = 64) -> bool:
             model.eval()
         ok &= fixed == 0.0
         print(f"deit_small {name}, bf16 batch {batch} on {device.type}, two calls on the same images: largest "
-              f"difference {plain:.3g}; under deterministic algorithms {fixed:.3g} {trains}")
+              f"difference {plain:.3g}; under deterministic algorithms {fixed:.3g} {trains}; "
+              f"{deterministic_cost(model, x):.3f}x the plain forward's time there")
     return ok
+
+
+def deterministic_cost(model: torch.nn.Module, x: torch.Tensor, rounds: int = 11) -> float:
+    """Median time of ``model``'s inference forward under deterministic algorithms over its
+    plain time, interleaved."""
+    def plain() -> None:
+        with torch.inference_mode():
+            model(x)
+
+    def fixed() -> None:
+        with deterministic():
+            plain()
+
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
+    seconds = time_interleaved({"plain": plain, "deterministic": fixed}, rounds, warmup=2, sync=sync, progress=False)
+    return seconds["deterministic"] / seconds["plain"]
 
 
 def transformers_checks(device: torch.device) -> bool:

@@ -46,3 +46,12 @@ def test_every_reduction_repeats_bit_for_bit_under_deterministic_algorithms(opti
     assert torch.equal(first, second)
     assert len(first_grads) == len(second_grads) > 0
     assert all(torch.equal(a, b) for a, b in zip(first_grads, second_grads))
+
+
+def test_the_checks_time_the_deterministic_mode_and_leave_it_as_they_found_it():
+    import gpu_checks
+
+    model = vitprune.patch(timm.create_model("deit_tiny_patch16_224", img_size=64, depth=2).eval(), keep_rate=0.7)
+    ratio = gpu_checks.deterministic_cost(model, torch.randn(2, 3, 64, 64), rounds=1)
+    assert 0 < ratio < float("inf")
+    assert not torch.are_deterministic_algorithms_enabled()
