@@ -38,7 +38,7 @@ from vitprune.core.registry import family_of  # noqa: E402
 from vitprune.data import datasets  # noqa: E402
 from vitprune.data import shipped as demo_models  # noqa: E402
 from vitprune.commands.bench import time_interleaved  # noqa: E402
-from gpu_cuda_graph import deterministic, eager_spread  # noqa: E402  (examples/, first on sys.path)
+from gpu_cuda_graph import deterministic, eager_spread, settings as graph_settings  # noqa: E402  (examples/ is first on sys.path)
 
 
 def agreement(reference, got) -> float:
@@ -140,12 +140,9 @@ def repeatability_check(device: torch.device, batch: int = 64) -> bool:
     merging at the defaults' FLOPs."""
     torch.manual_seed(0)
     base = timm.create_model("deit_small_patch16_224").to(device, torch.bfloat16).eval()
-    defaults = vitprune.patch(copy.deepcopy(base), keep_rate=0.7)
-    settings = {"defaults": defaults,
-                "paper (var)": vitprune.patch(copy.deepcopy(base), keep_rate=0.7, indicator="var", **PAPER_OPTIONS),
-                "drop": vitprune.patch(copy.deepcopy(base), keep_rate=0.7, reduction="drop"),
-                "token merging": vitprune.patch(copy.deepcopy(base), vitprune.fit_merging(
-                    base, vitprune.analytic_flops(defaults) / 1e9))}
+    shared = graph_settings(base)  # the CUDA-graph script's, at keep 0.7
+    settings = {name: shared[name] for name in ("defaults", "paper (var)", "token merging")}
+    settings["drop"] = vitprune.patch(copy.deepcopy(base), keep_rate=0.7, reduction="drop")
     x = torch.randn(batch, 3, 224, 224, device=device, dtype=torch.bfloat16)
     ok = True
     for name, model in settings.items():
