@@ -38,6 +38,7 @@ from vitprune.core.registry import family_of  # noqa: E402
 from vitprune.data import datasets  # noqa: E402
 from vitprune.data import shipped as demo_models  # noqa: E402
 from vitprune.commands.bench import time_interleaved  # noqa: E402
+from vitprune.measure.sync import device_sync  # noqa: E402
 from gpu_cuda_graph import deterministic, eager_spread, settings as graph_settings  # noqa: E402  (examples/ is first on sys.path)
 
 
@@ -175,8 +176,8 @@ def deterministic_cost(model: torch.nn.Module, x: torch.Tensor, rounds: int = 11
         with deterministic():
             plain()
 
-    sync = (lambda: torch.cuda.synchronize(x.device)) if x.device.type == "cuda" else (lambda: None)
-    seconds = time_interleaved({"plain": plain, "deterministic": fixed}, rounds, warmup=2, sync=sync, progress=False)
+    seconds = time_interleaved({"plain": plain, "deterministic": fixed}, rounds, warmup=2,
+                               sync=device_sync(x.device), progress=False)
     return seconds["deterministic"] / seconds["plain"]
 
 

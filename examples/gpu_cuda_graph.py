@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import vitprune  # noqa: E402
 from vitprune.commands.bench import time_interleaved  # noqa: E402
 from vitprune.core.config import PAPER_OPTIONS  # noqa: E402
+from vitprune.measure.sync import device_sync  # noqa: E402
 from step_cost import free_step  # noqa: E402  (examples/, first on sys.path when run as a script)
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -143,7 +144,7 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    sync = device_sync(device)
     ok = True
     for name in args.models:
         torch.manual_seed(0)

@@ -29,6 +29,7 @@ import torch
 
 import vitprune
 from vitprune.core.config import PAPER_OPTIONS
+from vitprune.measure.sync import device_sync
 
 
 def host_counts(run: Callable[[], None], cuda: bool) -> Tuple[int, Optional[int]]:
@@ -58,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = device_sync(device)
     torch.manual_seed(0)
     model = timm.create_model("deit_small_patch16_224").to(device).eval()
     paper = dict(indicator="var", **PAPER_OPTIONS)

@@ -34,6 +34,7 @@ from ..measure.evaluate import CLASS_ONLY_SUFFIX, class_only_options
 from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
+from ..measure.sync import device_sync
 from .parsers import CLASS_ONLY, DEFAULT
 
 #: ``Setting.indicator`` of the token-merging baseline.
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> List[Row]:
             grid.append(setting)
             models[label], compiled[label] = models[setting.label], True
             steps[label] = make_step(copy.deepcopy(models[setting.label]), x, args.mode, dtype, True)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     seconds = time_interleaved(steps, args.rounds, args.warmup, sync, progress=not args.no_progress)
     # counted after the timing: fvcore's trace leaves the process slower for the pruned models
     # (about 2 % of a batch-1 CPU forward, measured), which would charge them for the count

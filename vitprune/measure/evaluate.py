@@ -23,6 +23,7 @@ from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
 from .flops import count_flops, schedule_flops
 from .outputs import logits_of
+from .sync import device_sync
 
 #: Method names: vitprune's defaults, the paper's method with each indicator, token merging.
 DEFAULT, MERGING = "default", "merging"
@@ -203,7 +204,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     top5 = [0] * len(models)
     seconds = [0.0] * len(models)
     seen = 0
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     autocast = torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16,
                               enabled=amp)
     for index, (images, labels) in enumerate(batches):
