@@ -6,11 +6,11 @@
 # (each setting replayed from a CUDA graph against eager, batch 256 and 1); then deit_small and
 # vit_base at bf16 autocast, batch 256, inference: eager with the defaults, var, medad and
 # token merging; the defaults' method in every second and every third block at the
-# defaults' FLOPs; eager and torch.compile side by side with var; last, the defaults
-# compiled. Correctness comes first so that a run cut short by a time limit still has it.
+# defaults' FLOPs; eager and torch.compile side by side with var; compile times; last,
+# the defaults compiled. Correctness comes first so that a run cut short by a time limit still has it.
 # Each step's output is written to OUT_DIR (default docs/bench) as it runs; a failing step
 # is reported and the rest still run, and the exit status is non-zero if any failed. Runs
-# from a source checkout without installing (python -m vitprune). It writes 13 files; where
+# from a source checkout without installing (python -m vitprune). It writes 14 files; where
 # only a few can come back, set GPU_BENCH_TAR=FILE: OUT_DIR is packed into that one .tgz after
 # every step, so a run stopped by a time limit still returns every step that finished.
 set -uo pipefail
@@ -42,6 +42,11 @@ done
 for model in deit_small_patch16_224 vit_base_patch16_224; do
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
 done
+# How long compiling takes on the GPU: the unpruned model and the defaults with their step as
+# one opaque operator (examples/compile_time.py; each in a fresh process, 150 s at most each).
+# If the opaque step compiles where the defaults never finished, the step's code generation
+# is what stalls them.
+step python examples/compile_time.py --device cuda --batch 256 --settings unpruned "defaults, opaque step" --timeout 150 --json "$out/gpu_compile_time.json"
 # Last, as the slowest to compile (a dozen token counts; over 200 s on a fresh H200 in three tries):
 # the defaults compiled, deit_small only.
 step python -m vitprune bench --model deit_small_patch16_224 "${common[@]}" --keep-rates 0.7 --indicators default --compile both --out "$out/gpu_deit_small_patch16_224_compiled_defaults.json"
