@@ -3,8 +3,8 @@
     python examples/compile_time.py [--model deit_small_patch16_224] [--batch 32] [--keep-rate 0.7]
 
 For the unpruned model, vitprune's defaults, the paper's method (var, three stages) and
-the defaults with an opaque step (below), each in a fresh process with an empty inductor cache (so no setting reuses another's
-compiled kernels): the seconds of the first compiled call (tracing, compiling, running),
+the defaults with an opaque step (below), each in a fresh process with an empty inductor
+cache (so no setting reuses another's compiled kernels): the seconds of the first compiled call (tracing, compiling, running),
 its ratio to the unpruned model's, the median of five later calls, and the number of
 distinct token counts the blocks see. Inductor compiles kernels for each distinct shape,
 so a reduction in every block (the defaults, and token merging) has more to compile than
@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any, Callable
 
 #: The defaults with :func:`make_opaque_merge`'s step.
 OPAQUE = "defaults, opaque step"
@@ -44,21 +45,23 @@ SCHEMA = ("(Tensor tokens, Tensor keys, Tensor sizes, int k, int num_prefix, flo
 
 
 @functools.lru_cache(maxsize=None)
-def merge_operator():  # type: ignore[no-untyped-def]
+def merge_operator() -> Any:
     """``merging.bipartite_merge`` as the custom operator ``vitprune_examples::bipartite_merge``
     (defined once per process): opaque to ``torch.compile``, which calls it as it is."""
     import torch
 
     from vitprune.core.merging import bipartite_merge
 
-    def run(tokens, keys, sizes, k, num_prefix, crowding):  # type: ignore[no-untyped-def]
+    def run(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int,
+            crowding: float) -> "tuple[torch.Tensor, ...]":
         # contiguous: the strides the fake outputs below promise (one slice of the step is a view)
         return tuple(t.contiguous() for t in bipartite_merge(tokens, keys, sizes, k, num_prefix, crowding))
 
     operator = torch.library.custom_op("vitprune_examples::bipartite_merge", run, mutates_args=(), schema=SCHEMA)
 
     @operator.register_fake
-    def _(tokens, keys, sizes, k, num_prefix, crowding):  # type: ignore[no-untyped-def]
+    def _(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int,
+          crowding: float) -> "tuple[torch.Tensor, ...]":
         B, n, C = tokens.shape[0], tokens.shape[1] - num_prefix, tokens.shape[2]
         stays, removed = k - (n + 1) // 2, n - k
         index = functools.partial(tokens.new_empty, dtype=torch.long)
@@ -68,14 +71,14 @@ def merge_operator():  # type: ignore[no-untyped-def]
     return operator
 
 
-def make_opaque_merge():  # type: ignore[no-untyped-def]
+def make_opaque_merge() -> Callable[..., Any]:
     """A stand-in for ``merging.bipartite_merge`` that calls it through :func:`merge_operator`
     (built here, outside any traced code)."""
     from vitprune.core.merging import Merged
 
     operator = merge_operator()
 
-    def opaque_merge(tokens, keys, sizes, k, num_prefix, crowding=0.0):  # type: ignore[no-untyped-def]
+    def opaque_merge(tokens: Any, keys: Any, sizes: Any, k: int, num_prefix: int, crowding: float = 0.0) -> Merged:
         return Merged(*operator(tokens, keys, sizes, k, num_prefix, float(crowding)))
 
     return opaque_merge
