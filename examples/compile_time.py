@@ -4,9 +4,10 @@
 
 For the unpruned model, vitprune's defaults, the paper's method (var, three stages) and
 the defaults with an opaque step (below), each in a fresh process with an empty inductor
-cache (so no setting reuses another's compiled kernels): the seconds of the first compiled call (tracing, compiling, running),
-its ratio to the unpruned model's, the median of five later calls, and the number of
-distinct token counts the blocks see. Inductor compiles kernels for each distinct shape,
+cache (so no setting reuses another's compiled kernels): the seconds of the first compiled
+call (tracing, compiling, running), its ratio to the first setting's, the median of five
+later calls, how far the compiled output is from eager, and the number of distinct token
+counts the blocks see. Inductor compiles kernels for each distinct shape,
 so a reduction in every block (the defaults, and token merging) has more to compile than
 three stages, and those more than none.
 
