@@ -28,7 +28,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
   mask: what the bias costs in time.
 - ``--class-only``: the defaults with ``class_only_last`` (the last block computes the class
   token alone): at the same keep rate (fewer FLOPs), and fitted to the defaults' FLOPs
-  (``fit_keep_rate``; more tokens kept in the other blocks).
+  (``fit_keep_rate``; more tokens kept in the other blocks); and with ``--every`` the
+  defaults' method in every S blocks with it too, at the defaults' FLOPs (the last block
+  is then no stage).
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
@@ -86,12 +88,15 @@ def free_step() -> Iterator[None]:
         state_module.bipartite_merge = real
 
 
-def every(model: torch.nn.Module, step: int, gflops: float) -> PruneConfig:
+def every(model: torch.nn.Module, step: int, gflops: float, class_only_last: bool = False) -> PruneConfig:
     """The defaults' method in every ``step``-th block (``step - 1, 2 step - 1, ...``), with
-    the largest keep rate whose analytic FLOPs fit ``gflops``."""
-    stages = every_stages(len(model.blocks), step)
-    rate = vitprune.fit_keep_rate(model, gflops, stages=stages, class_only_last=False)
-    return PruneConfig(keep_rate=rate, stages=stages, class_only_last=False)
+    the largest keep rate whose analytic FLOPs fit ``gflops``. With ``class_only_last`` the
+    last block computes the class token alone, so it is no stage (``(1, 3, 5, 7, 9)`` and
+    ``(2, 5, 8)`` on 12 blocks) and its saving goes to the fitted keep rate."""
+    depth = len(model.blocks)
+    stages = tuple(s for s in every_stages(depth, step) if not (class_only_last and s == depth - 1))
+    rate = vitprune.fit_keep_rate(model, gflops, stages=stages, class_only_last=class_only_last)
+    return PruneConfig(keep_rate=rate, stages=stages, class_only_last=class_only_last)
 
 
 def main() -> None:
@@ -144,6 +149,10 @@ def main() -> None:
         for name, config in (("defaults, class token alone in the last block", dataclasses.replace(
                 defaults, class_only_last=True)), (f"the same at the defaults' FLOPs (keep {rate:.3f})",
                                                     PruneConfig(keep_rate=rate, class_only_last=True))):
+            models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+        for step in args.every:
+            config = every(model, step, flops["defaults"] / 1e9, class_only_last=True)
+            name = f"every {step} blocks, class token alone in the last block (keep {config.keep_rate:.3f})"
             models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:], dtype=DTYPES[args.dtype])
 

@@ -1,6 +1,7 @@
 """The step-cost benchmark (examples/step_cost.py): its stand-in step leaves the tokens the real one does,
 and its sparser schedules (every S-th block) fit the defaults' method to the budget."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -60,6 +61,20 @@ def test_every_fits_the_defaults_method_to_the_budget_in_every_step_th_block(ste
     assert config.stages == tuple(range(step - 1, len(model.blocks), step))
     assert (config.selection, config.reduction, config.size_aware) == ("bipartite", "merge", True)
     assert config.keep_rate < 1 and schedule_flops(model, config) / 1e9 <= budget
+
+
+@pytest.mark.parametrize("step, stages", [(2, (1, 3, 5, 7, 9)), (3, (2, 5, 8))])
+def test_every_with_the_class_token_alone_leaves_the_last_block_out_and_spends_its_saving(step, stages):
+    model = small_vit()
+    budget = 0.8 * schedule_flops(model, None) / 1e9
+    config = step_cost.every(model, step, budget, class_only_last=True)
+    assert config.stages == stages and config.class_only_last is True
+    cost = schedule_flops(model, config) / 1e9
+    assert cost <= budget
+    plain = step_cost.every(model, step, budget)
+    assert config.keep_rate >= plain.keep_rate  # the last block's saving buys tokens elsewhere
+    # with the last block's stage gone, the same keep rate as the plain schedule costs less
+    assert schedule_flops(model, dataclasses.replace(config, keep_rate=plain.keep_rate)) < schedule_flops(model, plain)
 
 
 def test_every_stages_are_every_step_th_block_counted_from_one():
