@@ -68,6 +68,9 @@ ALL_FIT = "defaults' method, fitted per block (stages='all')"
 #: budget: the same FLOPs in fewer, larger steps, which a batch-1 CPU forward pays less for
 #: (examples/step_cost.py). Not in ``--grid final``.
 EVERY = {2: "defaults' method, every 2nd block", 3: "defaults' method, every 3rd block"}
+#: The same with the class token alone in the last block, which is then no stage (a stage there
+#: gives the same logits at more FLOPs): the latency recipe of README. Not in ``--grid final``.
+EVERY_CLASS_ONLY = {s: f"{name}, class token alone in the last block" for s, name in EVERY.items()}
 #: The defaults fitted to the FLOPs that token merging's fit reaches at the same budget instead of
 #: to the budget itself: the two fits step in different token counts, so at one budget either may
 #: spend up to about a point more of the FLOPs than the other; held to merging's FLOPs the
@@ -88,6 +91,7 @@ EXTRA: Dict[str, Dict[str, Any]] = {ALL_FIT: dict(stages="all"),
                                    CLASS_ONLY_AT_MERGING: dict(at_merging=True, class_only_last=True),
                                    MERGING_CLASS_ONLY: dict(merging=True, class_only_last=True),
                                    **{name: dict(every=s) for s, name in EVERY.items()},
+                                   **{name: dict(every=s, class_only_last=True) for s, name in EVERY_CLASS_ONLY.items()},
                                    AT_MERGING: dict(at_merging=True),
                                    **{name: dict(at_merging=True, crowding=w) for w, name in CROWDING.items()}}
 
@@ -132,7 +136,7 @@ def fitted(model: torch.nn.Module, options: Dict[str, Any], budget: float, seed:
     if "every" in options:
         step = options["every"]
         options = {**{k: v for k, v in options.items() if k != "every"},
-                   "stages": every_stages(len(model.blocks), step)}
+                   "stages": every_stages(len(model.blocks), step, options["class_only_last"])}
     fit_options = {k: v for k, v in options.items() if k != "indicator"}
     rate = vitprune.fit_keep_rate(model, target, **fit_options)
     extra = {"seed": seed} if options.get("indicator") == "random" else {}

@@ -61,9 +61,10 @@ def merge_results(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[str]
     return rows, commands
 
 
-def every_stages(depth: int, step: int) -> Tuple[int, ...]:
+def every_stages(depth: int, step: int, class_only_last: bool = False) -> Tuple[int, ...]:
     """Stages in every ``step``-th of ``depth`` blocks: ``step - 1, 2 step - 1, ...`` (the
-    last block reduces when ``step`` divides ``depth``)."""
+    last block reduces when ``step`` divides ``depth``, unless ``class_only_last``: then it
+    computes the class token alone and is no stage; a stage there would give the same logits)."""
     if step < 1:
         raise ValueError(f"step must be a positive number of blocks, got {step}")
-    return tuple(range(step - 1, depth, step))
+    return tuple(range(step - 1, depth - 1 if class_only_last else depth, step))

@@ -93,8 +93,7 @@ def every(model: torch.nn.Module, step: int, gflops: float, class_only_last: boo
     the largest keep rate whose analytic FLOPs fit ``gflops``. With ``class_only_last`` the
     last block computes the class token alone, so it is no stage (``(1, 3, 5, 7, 9)`` and
     ``(2, 5, 8)`` on 12 blocks) and its saving goes to the fitted keep rate."""
-    depth = len(model.blocks)
-    stages = tuple(s for s in every_stages(depth, step) if not (class_only_last and s == depth - 1))
+    stages = every_stages(len(model.blocks), step, class_only_last)
     rate = vitprune.fit_keep_rate(model, gflops, stages=stages, class_only_last=class_only_last)
     return PruneConfig(keep_rate=rate, stages=stages, class_only_last=class_only_last)
 

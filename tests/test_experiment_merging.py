@@ -46,3 +46,17 @@ def test_the_class_only_methods_spend_no_more_than_their_targets():
     # the saving buys tokens: more of them reach the last block than without it
     plain = experiment_merging.fitted(model, experiment_merging.EXTRA[experiment_merging.AT_MERGING], 0.6, 0)
     assert vitprune.get_config(held).keep_rate[0] > vitprune.get_config(plain).keep_rate[0]
+
+
+def test_every_s_blocks_with_the_class_token_alone_leave_the_last_block_out_and_fit_the_budget():
+    model, _ = load_shipped("fashion_mnist")  # 6 blocks: every 2nd is (1, 3) and the last, 5, computes the class token
+    full = schedule_flops(model, None)
+    for step, stages in ((2, (1, 3)), (3, (2,))):
+        patched = experiment_merging.fitted(model, experiment_merging.EXTRA[experiment_merging.EVERY_CLASS_ONLY[step]],
+                                            0.7, 0)
+        config = vitprune.get_config(patched)
+        assert config.stages == stages and config.class_only_last
+        assert vitprune.analytic_flops(patched) <= 0.7 * full
+        plain = vitprune.get_config(experiment_merging.fitted(
+            model, experiment_merging.EXTRA[experiment_merging.EVERY[step]], 0.7, 0))
+        assert plain.stages == stages + (5,) and not plain.class_only_last

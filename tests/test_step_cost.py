@@ -84,5 +84,8 @@ def test_every_stages_are_every_step_th_block_counted_from_one():
     assert every_stages(12, 3) == (2, 5, 8, 11)
     assert every_stages(6, 4) == (3,)
     assert every_stages(6, 1) == (0, 1, 2, 3, 4, 5)
+    assert every_stages(12, 2, class_only_last=True) == (1, 3, 5, 7, 9)  # the last block: the class token alone
+    assert every_stages(12, 3, class_only_last=True) == (2, 5, 8)
+    assert every_stages(12, 4, class_only_last=True) == (3, 7)
     with pytest.raises(ValueError, match="positive"):
         every_stages(6, 0)
