@@ -124,35 +124,30 @@ def main() -> None:
     model = timm.create_model(args.model, pretrained=False).eval().to(DTYPES[args.dtype])
     defaults = PruneConfig(keep_rate=args.keep_rate, class_only_last=False)
     paper = PruneConfig(indicator="var", keep_rate=args.keep_rate, **PAPER_OPTIONS)
-    models = {"unpruned": model,
-              "defaults": vitprune.patch(copy.deepcopy(model), defaults),
-              FREE: vitprune.patch(copy.deepcopy(model), defaults),
-              "paper (var)": vitprune.patch(copy.deepcopy(model), paper)}
-    flops = {"unpruned": schedule_flops(model, None), "defaults": schedule_flops(model, defaults),
-             "paper (var)": schedule_flops(model, paper)}
-    flops[FREE] = flops["defaults"]
+    models: Dict[str, torch.nn.Module] = {"unpruned": model}
+    flops = {"unpruned": schedule_flops(model, None)}
+
+    def add(name: str, config: PruneConfig) -> None:
+        """One more timed setting: a patched copy of the model, and its analytic FLOPs."""
+        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+
+    for name in ("defaults", FREE):  # the same patch: FREE swaps its step while timed
+        add(name, defaults)
+    add("paper (var)", paper)
     for step in args.every:
         config = every(model, step, flops["defaults"] / 1e9)
-        name = f"defaults' method, every {step} blocks (keep {config.keep_rate:.3f})"
-        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+        add(f"defaults' method, every {step} blocks (keep {config.keep_rate:.3f})", config)
     for weight in args.crowding:
-        config = dataclasses.replace(defaults, crowding=weight)
-        name = f"defaults with crowding {weight:g}"
-        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+        add(f"defaults with crowding {weight:g}", dataclasses.replace(defaults, crowding=weight))
     if args.no_size_bias:
-        config = dataclasses.replace(defaults, size_aware=False)
-        name = "defaults without size-aware attention"
-        models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+        add("defaults without size-aware attention", dataclasses.replace(defaults, size_aware=False))
     if args.class_only:
+        add("defaults, class token alone in the last block", dataclasses.replace(defaults, class_only_last=True))
         rate = vitprune.fit_keep_rate(model, flops["defaults"] / 1e9, class_only_last=True)
-        for name, config in (("defaults, class token alone in the last block", dataclasses.replace(
-                defaults, class_only_last=True)), (f"the same at the defaults' FLOPs (keep {rate:.3f})",
-                                                    PruneConfig(keep_rate=rate, class_only_last=True))):
-            models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+        add(f"the same at the defaults' FLOPs (keep {rate:.3f})", PruneConfig(keep_rate=rate, class_only_last=True))
         for step in args.every:
             config = every(model, step, flops["defaults"] / 1e9, class_only_last=True)
-            name = f"every {step} blocks, class token alone in the last block (keep {config.keep_rate:.3f})"
-            models[name], flops[name] = vitprune.patch(copy.deepcopy(model), config), schedule_flops(model, config)
+            add(f"every {step} blocks, class token alone in the last block (keep {config.keep_rate:.3f})", config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:], dtype=DTYPES[args.dtype])
 
     def step(name: str) -> Callable[[], None]:
