@@ -31,6 +31,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
   (``fit_keep_rate``; more tokens kept in the other blocks); and with ``--every`` the
   defaults' method in every S blocks with it too, at the defaults' FLOPs (the last block
   is then no stage).
+- ``--spread spread2 spread3``: ``patch(model, keep_rate=K, stages="spread2")`` (and
+  ``"spread3"``) as they run: the same blocks as ``--every 2 3 --class-only`` on 12 blocks,
+  their keep rate matched by tokens to the defaults as they run, not fitted by FLOPs.
 
     python examples/step_cost.py --batch 1 --rounds 31 --json docs/bench/cpu_deit_small_step_cost_b1.json
 
@@ -114,6 +117,8 @@ def main() -> None:
                         help="also the defaults without size-aware attention (patch(size_aware=False))")
     parser.add_argument("--class-only", action="store_true",
                         help="also the defaults with class_only_last, at their keep rate and at their FLOPs")
+    parser.add_argument("--spread", nargs="*", default=[], choices=["spread2", "spread3"],
+                        help="also patch(model, keep_rate=K, stages=NAME) as it runs (class token alone in the last block)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="the weights' and images' dtype (bf16: bfloat16 weights, no autocast)")
     parser.add_argument("--json", help="write the table here as JSON")
@@ -148,6 +153,10 @@ def main() -> None:
         for step in args.every:
             config = every(model, step, flops["defaults"] / 1e9, class_only_last=True)
             add(f"every {step} blocks, class token alone in the last block (keep {config.keep_rate:.3f})", config)
+    for name in args.spread:
+        config = PruneConfig(keep_rate=args.keep_rate, stages=name)
+        rate = config.resolve(len(model.blocks), model.patch_embed.num_patches).keep_rate[0]
+        add(f"stages={name!r} (keep {rate:.3f})", config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:], dtype=DTYPES[args.dtype])
 
     def step(name: str) -> Callable[[], None]:

@@ -31,6 +31,17 @@ def test_bench_writes_json_rows(tmp_path, capsys):
     assert "var keep 0.5" in table and "ach/ideal" in table
 
 
+def test_bench_runs_the_named_schedules_beside_block_lists(tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.7", "--indicators", "default",
+                 "--stages", "spread", "spread2", "spread3", "1,3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["setting"], r["stages"]) for r in rows] == [
+        ("unpruned", None), ("default keep 0.7 @spread", "spread"), ("default keep 0.7 @spread2", "spread2"),
+        ("default keep 0.7 @spread3", "spread3"), ("default keep 0.7 @1,3", [1, 3])]
+    assert all(r["gflops"] < rows[0]["gflops"] for r in rows[1:])  # each one reduces
+
+
 @pytest.mark.slow
 def test_bench_times_eager_and_compiled_side_by_side(tmp_path, monkeypatch):
     # the rows' plumbing is what is tested here (inductor itself: test_compile.py): aot_eager

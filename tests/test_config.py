@@ -5,6 +5,7 @@ import math
 import pytest
 
 from vitprune import PruneConfig, default_stages
+from vitprune.core.config import spread_blocks
 
 
 @pytest.mark.parametrize("depth, expected", [(12, (3, 6, 9)), (24, (6, 12, 18)), (6, (1, 3, 4)), (2, (0, 1)), (1, (0,))])
@@ -25,7 +26,7 @@ def test_schedule_gives_the_blocks_and_their_rates_as_tuples():
     assert PruneConfig(keep_rate=0.5, stages=[3, 6]).schedule() == ((3, 6), (0.5, 0.5))  # one rate, repeated
     assert PruneConfig(keep_rate=[0.9, 0.8], stages=(2, 5)).schedule() == ((2, 5), (0.9, 0.8))
     assert PruneConfig(keep_rate=[], stages=()).schedule() == ((), ())
-    for stages in ("spread", "all", None):
+    for stages in ("spread", "spread2", "spread3", "all", None):
         with pytest.raises(ValueError, match=f"stages={stages!r} name no blocks until resolved for a model"):
             PruneConfig(keep_rate=0.5, stages=stages).schedule()
 
@@ -50,6 +51,7 @@ def test_config_is_frozen():
     ({"stages": (-1,)}, ValueError, "negative"),
     ({"stages": (1.5,)}, TypeError, "block indices"),
     ({"stages": 3}, TypeError, "sequence"),
+    ({"stages": "spread4"}, ValueError, "unknown stages 'spread4'; accepted: 'spread', 'spread2', 'spread3', 'all', None"),
     ({"T": 0.0}, ValueError, "T must be > 0"),
     ({"T": -1.0}, ValueError, "T must be > 0"),
     ({"T": "hot"}, TypeError, "T must be"),
@@ -102,3 +104,35 @@ def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth
     step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
                 if tokens_summed([r] * depth, every, depth, n) != reached)
     assert tokens_summed([step] * depth, every, depth, n) > budget
+
+
+@pytest.mark.parametrize("depth, step, expected", [
+    (12, 2, (1, 3, 5, 7, 9, 11)), (12, 3, (2, 5, 8, 11)), (12, 1, tuple(range(12))),
+    (6, 2, (1, 3, 5)), (6, 3, (2, 5)), (8, 3, (1, 4, 7)), (1, 3, (0,)), (2, 3, (1,)),
+])
+def test_the_sparser_spread_schedules_count_their_blocks_back_from_the_last(depth, step, expected):
+    assert spread_blocks(depth, step) == expected
+
+
+@pytest.mark.parametrize("keep, depth, n, stages, class_only, blocks", [
+    (0.7, 12, 196, "spread2", True, (1, 3, 5, 7, 9)),
+    (0.7, 12, 196, "spread3", True, (2, 5, 8)),
+    (0.5, 12, 196, "spread2", False, (1, 3, 5, 7, 9, 11)),
+    (0.9, 6, 49, "spread3", True, (2,)),
+    (0.3, 24, 256, "spread3", False, (2, 5, 8, 11, 14, 17, 20, 23)),
+    (0.6, 8, 49, "spread2", True, (1, 3, 5)),
+])
+def test_spread2_and_spread3_keep_the_most_tokens_within_spread_as_it_runs(keep, depth, n, stages, class_only, blocks):
+    spread = PruneConfig(keep_rate=keep, class_only_last=class_only).resolve(depth, n)
+    budget = tokens_summed(spread.keep_rate, spread.stages, depth, n)
+    cfg = PruneConfig(keep_rate=keep, stages=stages, class_only_last=class_only).resolve(depth, n)
+    rate = cfg.keep_rate[0]
+    assert cfg.stages == blocks and cfg.keep_rate == (rate,) * len(blocks) and rate < 1
+    reached = tokens_summed(cfg.keep_rate, blocks, depth, n)
+    assert reached <= budget
+    step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
+                if tokens_summed([r] * len(blocks), blocks, depth, n) != reached)
+    assert tokens_summed([step] * len(blocks), blocks, depth, n) > budget
+    # the fusion token counts: the paper's reduction resolves to a schedule of its own
+    fused = PruneConfig(keep_rate=keep, stages=stages, class_only_last=class_only, reduction="fuse")
+    assert fused.resolve(depth, n).stages == blocks

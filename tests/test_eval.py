@@ -215,3 +215,14 @@ def test_class_only_last_on_a_model_that_pools_every_token_exits_2(rgb_tree, cap
                  "--class-only-last", "--keep-rates", "0.7", "--no-progress"])
     assert code == 2
     assert "class_only_last=True cannot apply" in capsys.readouterr().err
+
+
+def test_eval_reads_every_named_schedule_and_builds_each_one():
+    from vitprune.commands.cli import build_parser
+    args = build_parser().parse_args(["eval", "--checkpoint", ASSET, "--data-dir", ".", "--stages",
+                                      "spread", "spread2", "spread3", "all", "paper", "1,3"])
+    assert args.stages == ["spread", "spread2", "spread3", "all", None, (1, 3)]
+    model, _ = load_shipped("fashion_mnist")
+    settings = build_settings(model, keep_rates=[0.7], stages=["spread2", "spread3"])
+    patched = [vitprune.get_config(vitprune.patch(copy.deepcopy(model), **s.options)).stages for s in settings[1:]]
+    assert patched == [(1, 3), (2,)]  # six blocks, the last computing the class token alone

@@ -72,19 +72,31 @@ def test_num_patches_follows_the_convolution():
     assert num_patches(model, 64) == 16
 
 
+@pytest.mark.parametrize("stages", ["spread", "spread2", "spread3"])
 @pytest.mark.parametrize("target", [4.0, 3.03, 2.5, 1.6])
-def test_fit_keep_rate_meets_the_budget_within_one_token(deit_small, target):
-    rate = fit_keep_rate(deit_small, target)
-    reached = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=rate))
+def test_fit_keep_rate_meets_the_budget_within_one_token(deit_small, target, stages):
+    rate = fit_keep_rate(deit_small, target, stages=stages)
+    reached = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=rate, stages=stages))
     assert reached <= target * 1e9
     # walking up from the rate, the first rate that keeps one more token somewhere goes over
     for step in range(1, 400):
-        over = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=min(1.0, rate + step * 1e-4)))
+        over = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=min(1.0, rate + step * 1e-4), stages=stages))
         if over != reached:
             break
     assert over > target * 1e9
     # "one token's worth": the slack is less than what that token would have cost
     assert target * 1e9 - reached < over - reached
+
+
+@pytest.mark.parametrize("keep", [0.9, 0.7, 0.5])
+def test_the_sparser_spread_schedules_cost_what_spread_costs_at_the_same_keep_rate(deit_small, keep):
+    unpruned = analytic_flops(deit_small)
+    spread = schedule_flops(deit_small, vitprune.PruneConfig(keep_rate=keep)) / unpruned
+    for stages in ("spread2", "spread3"):
+        config = vitprune.PruneConfig(keep_rate=keep, stages=stages)
+        patched = vitprune.get_config(vitprune.patch(copy.deepcopy(deit_small), config))
+        assert patched.stages == {"spread2": (1, 3, 5, 7, 9), "spread3": (2, 5, 8)}[stages]
+        assert abs(schedule_flops(deit_small, config) / unpruned - spread) < 0.01  # within a point of the FLOPs
 
 
 def test_fit_keep_rate_returns_1_when_the_model_fits(deit_small):
@@ -169,7 +181,7 @@ def test_counts_and_fits_at_another_input_size_describe_what_the_patched_model_r
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(2, 20), cols=st.integers(2, 20), keep_rate=st.sampled_from([0.9, 0.7, 0.5, 0.2]),
-       stages=st.sampled_from([None, "spread", "all", (0, 2)]), reduction=st.sampled_from(["merge", "fuse", "drop"]),
+       stages=st.sampled_from([None, "spread", "spread3", "all", (0, 2)]), reduction=st.sampled_from(["merge", "fuse", "drop"]),
        stride=st.sampled_from([None, 12]))
 def test_the_count_at_any_input_size_is_what_the_patched_model_runs(dynamic_deit, rows, cols, keep_rate, stages,
                                                                      reduction, stride):

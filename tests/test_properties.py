@@ -43,7 +43,7 @@ def fresh(name):
 VALID = {
     "indicator": [None, "var", "medad", "cls", "random", "lowvar"],
     "keep_rate": [1.0, 0.9, 0.7, 0.5, 0.25, 0.01],
-    "stages": [None, "spread", "all", (), (0,), (1, 3), (2,)],
+    "stages": [None, "spread", "spread2", "spread3", "all", (), (0,), (1, 3), (2,)],
     "T": [1.0, 0.3, 1e-30, math.inf],
     "selection": ["top", "redundant", "bipartite"],
     "reduction": ["merge", "fuse", "drop"],

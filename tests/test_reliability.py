@@ -141,7 +141,7 @@ def test_a_tiny_temperature_gives_finite_outputs_and_the_limit_weights():
     (0.1, {"img_size": "64"}, TypeError, "img_size must be an int or a pair"),
     (0.1, {"colour": "red"}, TypeError, r"unknown option\(s\) \['colour'\]"),
     (0.1, {"stages": 5}, TypeError, "stages must be a sequence of block indices, got 5"),
-    (0.1, {"stages": "paper"}, TypeError, "stages must be a sequence of block indices, got 'paper'"),
+    (0.1, {"stages": "paper"}, ValueError, "unknown stages 'paper'; accepted: 'spread', 'spread2', 'spread3', 'all'"),
 ])
 def test_fit_keep_rate_refuses_what_patch_refuses(target, options, error, match):
     with pytest.raises(error, match=match):

@@ -24,6 +24,7 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     vitprune.patch(model, indicator="var", keep_rate=[0.7, 0.6, 0.5], stages=[3, 6, 9], T=2.0)
     vitprune.patch(model, keep_rate=0.5, stages="all", crowding=0.5)
     vitprune.patch(model, keep_rate=0.5, stages="spread", class_only_last=True)
+    vitprune.patch(model, keep_rate=0.7, stages="spread2")
     vitprune.patch(model, indicator="random", seed=3, fuse=True)
     vitprune.patch(model, indicator="random", generator=torch.Generator().manual_seed(0))
     vitprune.patch(model, indicator="cls", selection="redundant", reduction="drop")
@@ -49,6 +50,7 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     rate: float = vitprune.fit_keep_rate(model, 3.0)
     rate = vitprune.fit_keep_rate(model, 3.0, stages="spread", img_size=(224, 224))
     rate = vitprune.fit_keep_rate(model, 3.0, stages=(3, 6, 9), fuse=True)
+    rate = vitprune.fit_keep_rate(model, 3.0, stages="spread3")
     rate = vitprune.fit_keep_rate(model, 3.0, stages=None, selection="top", reduction="fuse", size_aware=False)
     option: vitprune.OverlapOption = vitprune.fit_overlap(model)
     vitprune.patch(model, indicator="medad", keep_rate=option.keep_rate, overlap_stride=option.stride)
@@ -77,6 +79,7 @@ def misuses(model: nn.Module, images: torch.Tensor) -> None:
     vitprune.patch(model, selection="best")  # type: ignore[arg-type]
     vitprune.patch(model, reduction="mean")  # type: ignore[arg-type]
     vitprune.patch(model, stages="every")  # type: ignore[arg-type]
+    vitprune.patch(model, stages="spread4")  # type: ignore[arg-type]
     vitprune.patch(model, keep_rate="0.7")  # type: ignore[arg-type]
     vitprune.patch(model, keep_ratio=0.7)  # type: ignore[arg-type]
     vitprune.PruneConfig(stages="every")  # type: ignore[arg-type]

@@ -18,14 +18,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import timm
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import PAPER_OPTIONS, SPREAD, Indicator, PruneConfig
+from ..core.config import PAPER_OPTIONS, SPREAD, Indicator, PruneConfig, Stages
 from ..core.grid import input_size
 from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
@@ -52,7 +52,7 @@ class Setting:
 
     indicator: Optional[str] = None
     keep_rate: float = 1.0
-    stages: Optional[Tuple[int, ...]] = None
+    stages: Union[None, str, Tuple[int, ...]] = None  # a named schedule ("spread2") or blocks
     overlap_stride: Optional[int] = None
     class_only_last: Optional[bool] = None  # None: the method's own (see ``PruneConfig``)
     fitted: Optional[PruneConfig] = field(default=None, compare=False)  # the merging baseline's config
@@ -63,7 +63,7 @@ class Setting:
             return "unpruned"
         if self.indicator == MERGING:
             return f"merging @ default keep {self.keep_rate:g}"
-        where = "" if self.stages is None else f" @{','.join(map(str, self.stages))}"
+        where = "" if self.stages is None else f" @{_stages_text(self.stages)}"
         overlap = "" if self.overlap_stride is None else f" ov{self.overlap_stride}"
         return f"{self.indicator} keep {self.keep_rate:g}{where}{overlap}{CLASS_ONLY_SUFFIX[self.class_only_last]}"
 
@@ -77,10 +77,10 @@ class Setting:
             return self.fitted
         forced = class_only_options(self.class_only_last)
         if self.indicator == DEFAULT:
-            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else self.stages,
+            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else cast(Stages, self.stages),
                                overlap_stride=self.overlap_stride, **forced)
         return PruneConfig(indicator=cast(Indicator, self.indicator), keep_rate=self.keep_rate,  # PruneConfig checks it
-                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": self.stages, **forced})
+                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": cast(Stages, self.stages), **forced})
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Row:
     setting: str
     indicator: Optional[str]
     keep_rate: float
-    stages: Optional[List[int]]
+    stages: Union[None, str, List[int]]
     overlap_stride: Optional[int]
     gflops: float
     images_per_s: float
@@ -110,8 +110,13 @@ class Row:
     class_only_last: Optional[bool] = None  # what the patched model runs (None: unpruned)
 
 
+def _stages_text(stages: Union[str, Tuple[int, ...]]) -> str:
+    """A schedule for a label: its name, or its blocks comma-separated."""
+    return stages if isinstance(stages, str) else ",".join(map(str, stages))
+
+
 def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
-                  stages: Sequence[Optional[Tuple[int, ...]]],
+                  stages: Sequence[Union[None, str, Tuple[int, ...]]],
                   overlap_strides: Sequence[Optional[int]] = (None,),
                   class_only_last: Optional[bool] = None) -> List[Setting]:
     """The unpruned setting, then every indicator x keep rate x stages x overlap stride
@@ -227,7 +232,7 @@ def run(args: argparse.Namespace) -> List[Row]:
     model_kwargs = {"pretrained": args.pretrained}
     if args.img_size:
         model_kwargs["img_size"] = args.img_size
-    stages = [None] if args.stages is None else [tuple(s) for s in args.stages]
+    stages = [None] if args.stages is None else list(args.stages)
     forced = CLASS_ONLY[args.class_only_last]
     grid = settings_grid(args.indicators, args.keep_rates, stages, [None, *args.overlap_strides], forced)
 
@@ -275,7 +280,7 @@ def run(args: argparse.Namespace) -> List[Row]:
         speedup, ideal = base_s / seconds[label], base_f / flops[label]
         rows.append(Row(
             model=args.model, setting=label, indicator=setting.indicator, keep_rate=setting.keep_rate,
-            stages=None if setting.stages is None else list(setting.stages),
+            stages=setting.stages if setting.stages is None or isinstance(setting.stages, str) else list(setting.stages),
             overlap_stride=setting.overlap_stride,
             gflops=flops[label] / 1e9, images_per_s=args.batch / seconds[label], speedup=speedup,
             ideal_speedup=ideal, achieved_over_ideal=speedup / ideal, peak_memory_mb=peaks[label],

@@ -7,9 +7,9 @@ once; a subcommand's module (and torch) is imported only when it runs.
 from __future__ import annotations
 
 import argparse
-from typing import Tuple
+from typing import Tuple, Union
 
-from ..core.config import INDICATORS
+from ..core.config import ALL_BLOCKS, INDICATORS, SPREAD_STEPS
 from ..data import DATASETS
 from ..pictures import SHOW
 
@@ -42,6 +42,11 @@ def stage_list(text: str) -> Tuple[int, ...]:
         return tuple(int(s) for s in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}") from None
+
+
+def bench_stages(text: str) -> Union[str, Tuple[int, ...]]:
+    """``spread``, ``spread2``, ``spread3``, ``all`` or block indices ``3,6,9``."""
+    return text if text in (*SPREAD_STEPS, ALL_BLOCKS) else stage_list(text)
 
 
 #: ``--class-only-last`` values -> ``class_only_last`` for every method (``None``: each its own).
@@ -92,8 +97,9 @@ the ideal ratio from the FLOP counts.""")
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
                         help="'default': vitprune's defaults; an indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
-    parser.add_argument("--stages", nargs="+", type=stage_list, default=None,
-                        help="one or more stage lists, e.g. 3,6,9 2,5,8 (default: each setting's own)")
+    parser.add_argument("--stages", nargs="+", type=bench_stages, default=None,
+                        help="one or more schedules: spread, spread2, spread3, all or stage lists "
+                             "like 3,6,9 2,5,8 (default: each setting's own)")
     parser.add_argument("--overlap-strides", nargs="+", type=positive_int, default=[],
                         help="also run every setting with these patch-embedding strides")
     parser.add_argument("--baseline", choices=("merge",), default=None,
@@ -154,8 +160,9 @@ def fraction(text: str) -> float:
 
 
 def stage_schedule(text: str):
-    """``spread``, ``all``, ``paper`` (the paper's 3 stages, scaled) or block indices ``3,6,9``."""
-    if text in ("spread", "all"):
+    """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's 3 stages, scaled)
+    or block indices ``3,6,9``."""
+    if text in (*SPREAD_STEPS, ALL_BLOCKS):
         return text
     if text == "paper":
         return None
@@ -197,7 +204,7 @@ Example (ImageNet validation, a user's own copy):
     sweep.add_argument("--budgets", nargs="*", type=fraction, default=[],
                        help="shares of the unpruned FLOPs; a keep rate is fitted to each")
     sweep.add_argument("--stages", nargs="+", type=stage_schedule, default=None,
-                       help="schedules: spread, all, paper or block indices like 3,6,9 (default: each method's)")
+                       help="schedules: spread, spread2, spread3, all, paper or block indices like 3,6,9 (default: each method's)")
     sweep.add_argument("--reductions", nargs="+", choices=("merge", "fuse", "drop"), default=None,
                        help="where removed tokens go (default: each method's)")
     sweep.add_argument("--baseline", choices=("merge",), default=None,

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
-from .config import SPREAD, Indicator, PruneConfig, Reduction, Selection, Stages
+from .config import Indicator, PruneConfig, Reduction, Selection, Stages, is_spread
 from .overlap import apply_overlap, check_overlap, remove_overlap
 from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, grid_patches, is_patched_model,
                        is_pruning_block, original_block_class, original_model_class)
@@ -107,9 +107,9 @@ def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
 
 def spread_patches(model: nn.Module, family: Optional[Family], config: PruneConfig) -> Optional[int]:
     """The patch count ``config`` is resolved for: the model's own (after ``overlap_stride``)
-    for the ``"spread"`` schedule, at every input size; ``None`` for other schedules. A model
+    for the spread schedules, at every input size; ``None`` for other schedules. A model
     of no family counts its patches as a family does by default (the FLOP count's what-if)."""
-    if config.stages != SPREAD:
+    if not is_spread(config.stages):
         return None
     return (grid_patches if family is None else family.patches_of)(model, config.overlap_stride)
 
@@ -209,8 +209,9 @@ def patch(
         keep_rate: Fraction of the patch tokens each stage keeps, in (0, 1] (default
             0.7), or one rate per stage.
         stages: ``"spread"`` (default: every block, at the rate whose token count matches
-            the paper's three stages at ``keep_rate``), ``"all"``, ``None`` (the paper's
-            blocks 3, 6, 9 scaled to the depth) or block indices.
+            the paper's three stages at ``keep_rate``), ``"spread2"`` or ``"spread3"`` (the
+            same in every second or third block: faster at batch 1), ``"all"``, ``None``
+            (the paper's blocks 3, 6, 9 scaled to the depth) or block indices.
         T: Temperature of the fusion token's weights, > 0 (default 1.0; ``math.inf``: mean).
         selection: ``"top"``, ``"redundant"`` or ``"bipartite"``; default: ``"bipartite"``
             without an indicator, ``"top"`` with one.

@@ -96,7 +96,7 @@ class Family:
         blocks_of: Where the model keeps its transformer blocks (a ``ModuleList``).
         prefix_of: How many tokens precede the patches (never reduced).
         patches_of: Patch tokens at the model's own input size, given an ``overlap_stride``
-            (or ``None``), for the ``"spread"`` schedule.
+            (or ``None``), for the spread schedules.
         class_token_of: Whether token 0 is a class token (its attention row is scored);
             otherwise the mean attention each patch receives is.
         extras: Modules besides the blocks that ``patch`` swaps (a pooling head that must

@@ -64,10 +64,11 @@ def fit_keep_rate(
     Args:
         model: A timm ViT, patched or not (its current patch is ignored).
         target_gflops: The budget per image, in GFLOPs (fvcore's convention).
-        stages: As in :class:`PruneConfig`: ``"spread"`` (the default), ``"all"``,
-            ``None`` (the paper's stages, scaled to the depth) or block indices.
+        stages: As in :class:`PruneConfig`: ``"spread"`` (the default), ``"spread2"``,
+            ``"spread3"``, ``"all"``, ``None`` (the paper's stages, scaled to the depth) or
+            block indices.
         fuse: The legacy switch (see :class:`PruneConfig`); prefer ``reduction``.
-        img_size: Input ``(H, W)``; the model's own size when ``None``. ``"spread"`` is
+        img_size: Input ``(H, W)``; the model's own size when ``None``. A spread schedule is
             worked out for the model's own size and applied as a rate at other sizes (as
             ``patch`` does), so there the result is exact to one token of the own-size
             schedule, and the patched model run at ``img_size`` meets the budget.

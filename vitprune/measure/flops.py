@@ -46,7 +46,7 @@ class BlockTokens:
 
 
 def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, num_patches: int) -> List[BlockTokens]:
-    """The tokens each block sees under ``config`` (``None``: unpruned); a ``"spread"``
+    """The tokens each block sees under ``config`` (``None``: unpruned); a spread
     config is resolved for ``num_patches`` (:func:`flop_counter` passes it resolved for the
     model's own size, as ``patch`` does)."""
     counts = (num_patches,) * depth
@@ -249,7 +249,7 @@ def schedule_flops(model: nn.Module, config: Optional[PruneConfig], img_size: Op
     two attention products, the block's other Linear layers (the MLP) at the tokens left
     after the reduction step, and the reduction step itself. ``config.overlap_stride``,
     when set, replaces the patch embedding's stride. A hybrid's CNN stem is counted by
-    the products of one blank image through it, once per count. ``stages="spread"`` is
+    the products of one blank image through it, once per count. A spread schedule is
     resolved for the model's own input size, as ``patch`` resolves it, and applied as a
     rate at ``img_size``: the count is what the patched model runs at that size.
 
