@@ -448,7 +448,7 @@ def test_defaults_are_the_measured_best_not_the_papers_fusion_token(tiny):
     (dict(reduction="pool"), ValueError, "unknown reduction 'pool'; accepted: 'merge', 'fuse', 'drop'"),
     (dict(size_aware=1), TypeError, "size_aware must be True or False"),
     (dict(fuse=True, reduction="merge"), ValueError, "fuse=True means reduction='fuse'"),
-    (dict(stages="every"), TypeError, "stages must be a sequence"),
+    (dict(stages="every"), ValueError, "unknown stages 'every'; accepted: 'spread', 'spread2', 'spread3', 'all'"),
     (dict(crowding=-0.5), ValueError, "crowding must be >= 0 (0: token merging's order), got -0.5"),
     (dict(crowding=True), TypeError, "crowding must be a finite float >= 0 or None, got True"),
     (dict(crowding=math.inf), TypeError, "crowding must be a finite float >= 0 or None, got inf"),
