@@ -153,8 +153,8 @@ def main() -> None:
         for step in args.every:
             config = every(model, step, flops["defaults"] / 1e9, class_only_last=True)
             add(f"every {step} blocks, class token alone in the last block (keep {config.keep_rate:.3f})", config)
-    for name in args.spread:
-        config = PruneConfig(keep_rate=args.keep_rate, stages=name)
+    for name in args.spread:  # class_only_last stated, as patch settles it here, so resolve gives what runs
+        config = PruneConfig(keep_rate=args.keep_rate, stages=name, class_only_last=True)
         rate = config.resolve(len(model.blocks), model.patch_embed.num_patches).keep_rate[0]
         add(f"stages={name!r} (keep {rate:.3f})", config)
     x = torch.randn(args.batch, 3, *model.pretrained_cfg["input_size"][1:], dtype=DTYPES[args.dtype])

@@ -90,6 +90,16 @@ def tokens_summed(rates, stages, depth, n, fuse=False):
     return total
 
 
+def assert_largest_within(rate, stages, depth, n, budget):
+    """By hand: ``rate`` in every block of ``stages`` stays within ``budget`` tokens, and the
+    next rate that keeps one more token somewhere goes over it."""
+    reached = tokens_summed([rate] * len(stages), stages, depth, n)
+    assert reached <= budget
+    step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
+                if tokens_summed([r] * len(stages), stages, depth, n) != reached)
+    assert tokens_summed([step] * len(stages), stages, depth, n) > budget
+
+
 @pytest.mark.parametrize("keep, depth, n", [(0.7, 12, 196), (0.5, 12, 196), (0.9, 6, 49), (0.3, 24, 256)])
 def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth, n):
     cfg = PruneConfig(keep_rate=keep).resolve(depth, n)
@@ -97,13 +107,7 @@ def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth
     assert cfg.stages == tuple(range(depth)) and cfg.keep_rate == (rate,) * depth
     paper = PruneConfig(keep_rate=keep, stages=None).resolve(depth)
     budget = tokens_summed(paper.keep_rate, paper.stages, depth, n)
-    every = list(range(depth))
-    reached = tokens_summed([rate] * depth, every, depth, n)
-    assert reached <= budget
-    # the next rate that keeps one more token somewhere goes over the paper's count
-    step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
-                if tokens_summed([r] * depth, every, depth, n) != reached)
-    assert tokens_summed([step] * depth, every, depth, n) > budget
+    assert_largest_within(rate, list(range(depth)), depth, n, budget)
 
 
 @pytest.mark.parametrize("depth, step, expected", [
@@ -128,11 +132,7 @@ def test_spread2_and_spread3_keep_the_most_tokens_within_spread_as_it_runs(keep,
     cfg = PruneConfig(keep_rate=keep, stages=stages, class_only_last=class_only).resolve(depth, n)
     rate = cfg.keep_rate[0]
     assert cfg.stages == blocks and cfg.keep_rate == (rate,) * len(blocks) and rate < 1
-    reached = tokens_summed(cfg.keep_rate, blocks, depth, n)
-    assert reached <= budget
-    step = next(r for r in (rate + i * 1e-4 for i in range(1, 10000))
-                if tokens_summed([r] * len(blocks), blocks, depth, n) != reached)
-    assert tokens_summed([step] * len(blocks), blocks, depth, n) > budget
+    assert_largest_within(rate, list(blocks), depth, n, budget)
     # the fusion token counts: the paper's reduction resolves to a schedule of its own
     fused = PruneConfig(keep_rate=keep, stages=stages, class_only_last=class_only, reduction="fuse")
     assert fused.resolve(depth, n).stages == blocks

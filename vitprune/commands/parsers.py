@@ -44,7 +44,7 @@ def stage_list(text: str) -> Tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"stages are comma-separated block indices like 3,6,9, got {text!r}") from None
 
 
-def bench_stages(text: str) -> Union[str, Tuple[int, ...]]:
+def named_stages(text: str) -> Union[str, Tuple[int, ...]]:
     """``spread``, ``spread2``, ``spread3``, ``all`` or block indices ``3,6,9``."""
     return text if text in (*SPREAD_STEPS, ALL_BLOCKS) else stage_list(text)
 
@@ -97,7 +97,7 @@ the ideal ratio from the FLOP counts.""")
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
                         help="'default': vitprune's defaults; an indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
-    parser.add_argument("--stages", nargs="+", type=bench_stages, default=None,
+    parser.add_argument("--stages", nargs="+", type=named_stages, default=None,
                         help="one or more schedules: spread, spread2, spread3, all or stage lists "
                              "like 3,6,9 2,5,8 (default: each setting's own)")
     parser.add_argument("--overlap-strides", nargs="+", type=positive_int, default=[],
@@ -162,11 +162,7 @@ def fraction(text: str) -> float:
 def stage_schedule(text: str):
     """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's 3 stages, scaled)
     or block indices ``3,6,9``."""
-    if text in (*SPREAD_STEPS, ALL_BLOCKS):
-        return text
-    if text == "paper":
-        return None
-    return stage_list(text)
+    return None if text == "paper" else named_stages(text)
 
 
 def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
