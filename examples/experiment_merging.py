@@ -64,8 +64,9 @@ FINAL: Dict[str, Dict[str, Any]] = {
 #: schedule "spread" resolves to, but fitted on that rate directly, so the budget is met to one
 #: token (spread's keep rate steps with the paper's rounded token counts). Not in ``--grid final``.
 ALL_FIT = "defaults' method, fitted per block (stages='all')"
-#: The defaults' method in every S-th block only (blocks ``S - 1, 2 S - 1, ...``), fitted to the
-#: budget: the same FLOPs in fewer, larger steps, which a batch-1 CPU forward pays less for
+#: The defaults' method in every S-th block only (``every_stages``: counted back from the
+#: last block, ``S - 1, 2 S - 1, ...`` where S divides the depth), fitted to the budget: the
+#: same FLOPs in fewer, larger steps, which a batch-1 CPU forward pays less for
 #: (examples/step_cost.py). Not in ``--grid final``.
 EVERY = {2: "defaults' method, every 2nd block", 3: "defaults' method, every 3rd block"}
 #: The same with the class token alone in the last block, which is then no stage (a stage there

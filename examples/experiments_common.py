@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from vitprune.core.config import spread_blocks
 from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 
@@ -62,9 +63,13 @@ def merge_results(paths: Sequence[str]) -> Tuple[List[Dict[str, Any]], List[str]
 
 
 def every_stages(depth: int, step: int, class_only_last: bool = False) -> Tuple[int, ...]:
-    """Stages in every ``step``-th of ``depth`` blocks: ``step - 1, 2 step - 1, ...`` (the
-    last block reduces when ``step`` divides ``depth``, unless ``class_only_last``: then it
-    computes the class token alone and is no stage; a stage there would give the same logits)."""
+    """Stages in every ``step``-th of ``depth`` blocks, counted back from the last block as
+    ``stages="spread2"``/``"spread3"`` count them (``spread_blocks``): ``(1, 3, ..., 11)`` and
+    ``(2, 5, 8, 11)`` of 12. With ``class_only_last`` the last block computes the class token
+    alone and is no stage (a stage there would give the same logits). Where ``step`` divides
+    ``depth`` (the 6- and 12-block models of docs/) these are the blocks ``step - 1, 2 step - 1,
+    ...`` that the experiments recorded there ran."""
     if step < 1:
         raise ValueError(f"step must be a positive number of blocks, got {step}")
-    return tuple(range(step - 1, depth - 1 if class_only_last else depth, step))
+    blocks = spread_blocks(depth, step)
+    return blocks[:-1] if class_only_last and blocks[-1] == depth - 1 else blocks

@@ -16,9 +16,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
   smaller matrix products themselves give up;
 - ``paper (var)``: the paper's three stages with one fusion token;
 - ``defaults' method, every S blocks`` (``--every``, default 2 and 3): the defaults' matching
-  and merging in blocks ``S - 1, 2 S - 1, ...`` only, its keep rate fitted to the defaults'
-  FLOPs (``fit_keep_rate``): the same cost in fewer, larger steps, so fewer per-step
-  operations. Its accuracy is not the defaults': on our six-block models every second
+  and merging in every S-th block only (``every_stages``: ``S - 1, 2 S - 1, ...`` where S
+  divides the depth), its keep rate fitted to the defaults' FLOPs (``fit_keep_rate``): the
+  same cost in fewer, larger steps, so fewer per-step operations. Its accuracy is not the defaults': on our six-block models every second
   block is three stages, the 'bipartite, merge, 3 stages' row of docs/merging.md.
 - ``defaults with crowding W`` (``--crowding W ...``, none by default): the defaults with
   crowding in their matching (docs/method.md §4): the same tokens and FLOPs, a few more
@@ -92,7 +92,7 @@ def free_step() -> Iterator[None]:
 
 
 def every(model: torch.nn.Module, step: int, gflops: float, class_only_last: bool = False) -> PruneConfig:
-    """The defaults' method in every ``step``-th block (``step - 1, 2 step - 1, ...``), with
+    """The defaults' method in every ``step``-th block (``every_stages``), with
     the largest keep rate whose analytic FLOPs fit ``gflops``. With ``class_only_last`` the
     last block computes the class token alone, so it is no stage (``(1, 3, 5, 7, 9)`` and
     ``(2, 5, 8)`` on 12 blocks) and its saving goes to the fitted keep rate."""

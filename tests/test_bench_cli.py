@@ -1,5 +1,6 @@
 """``vitprune bench`` end to end on a tiny model, and its errors."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -9,8 +10,12 @@ import timm
 import torch
 from timm.layers import ConvMlp
 
+import vitprune
+from vitprune import PruneConfig
 from vitprune.commands.bench import merging_settings
 from vitprune.commands.cli import main
+from vitprune.core.config import PAPER_OPTIONS
+from vitprune.measure.flops import count_flops
 
 TINY = ["--model", "deit_tiny_patch16_224", "--img-size", "64", "--batch", "2", "--rounds", "2",
         "--warmup", "1", "--no-progress"]
@@ -33,13 +38,21 @@ def test_bench_writes_json_rows(tmp_path, capsys):
 
 def test_bench_runs_the_named_schedules_beside_block_lists(tmp_path):
     out = tmp_path / "bench.json"
-    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.7", "--indicators", "default",
-                 "--stages", "spread", "spread2", "spread3", "1,3", "--out", str(out)]) == 0
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.7", "--indicators", "default", "var",
+                 "--stages", "spread", "spread2", "spread3", "paper", "1,3", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(r["setting"], r["stages"]) for r in rows] == [
-        ("unpruned", None), ("default keep 0.7 @spread", "spread"), ("default keep 0.7 @spread2", "spread2"),
-        ("default keep 0.7 @spread3", "spread3"), ("default keep 0.7 @1,3", [1, 3])]
+    schedules = ("spread", "spread2", "spread3", "paper", "1,3")
+    assert [(r["setting"], r["stages"]) for r in rows] == [("unpruned", None)] + [
+        (f"{method} keep 0.7 @{stages}", [1, 3] if stages == "1,3" else stages)
+        for method in ("default", "var") for stages in schedules]
     assert all(r["gflops"] < rows[0]["gflops"] for r in rows[1:])  # each one reduces
+    # "paper": the paper's three stages scaled to the depth (stages=None), for the defaults' method too
+    gflops = {r["setting"]: r["gflops"] for r in rows}
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64)
+    for method, options in (("default", {}), ("var", {**PAPER_OPTIONS, "indicator": "var"})):
+        patched = vitprune.patch(copy.deepcopy(model), PruneConfig(**{**options, "keep_rate": 0.7, "stages": None}))
+        assert gflops[f"{method} keep 0.7 @paper"] == pytest.approx(count_flops(patched, (64, 64)) / 1e9)
+    assert gflops["default keep 0.7 @paper"] != gflops["default keep 0.7 @spread"]
 
 
 @pytest.mark.slow

@@ -77,12 +77,14 @@ def test_every_with_the_class_token_alone_leaves_the_last_block_out_and_spends_i
     assert schedule_flops(model, dataclasses.replace(config, keep_rate=plain.keep_rate)) < schedule_flops(model, plain)
 
 
-def test_every_stages_are_every_step_th_block_counted_from_one():
+def test_every_stages_are_every_step_th_block_counted_back_from_the_last():
     from experiments_common import every_stages
 
     assert every_stages(12, 2) == (1, 3, 5, 7, 9, 11)
     assert every_stages(12, 3) == (2, 5, 8, 11)
-    assert every_stages(6, 4) == (3,)
+    assert every_stages(6, 4) == (1, 5)
+    assert every_stages(8, 3) == (1, 4, 7)
+    assert every_stages(8, 3, class_only_last=True) == (1, 4)
     assert every_stages(6, 1) == (0, 1, 2, 3, 4, 5)
     assert every_stages(12, 2, class_only_last=True) == (1, 3, 5, 7, 9)  # the last block: the class token alone
     assert every_stages(12, 3, class_only_last=True) == (2, 5, 8)

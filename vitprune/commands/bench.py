@@ -35,7 +35,7 @@ from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
 from ..measure.sync import device_sync
-from .parsers import CLASS_ONLY, DEFAULT
+from .parsers import CLASS_ONLY, DEFAULT, PAPER_STAGES
 
 #: ``Setting.indicator`` of the token-merging baseline.
 MERGING = "merging"
@@ -52,7 +52,7 @@ class Setting:
 
     indicator: Optional[str] = None
     keep_rate: float = 1.0
-    stages: Union[None, str, Tuple[int, ...]] = None  # a named schedule ("spread2") or blocks
+    stages: Union[None, str, Tuple[int, ...]] = None  # a named schedule ("spread2", "paper") or blocks
     overlap_stride: Optional[int] = None
     class_only_last: Optional[bool] = None  # None: the method's own (see ``PruneConfig``)
     fitted: Optional[PruneConfig] = field(default=None, compare=False)  # the merging baseline's config
@@ -69,18 +69,20 @@ class Setting:
 
     def config(self) -> Optional[PruneConfig]:
         """``indicator="default"``: vitprune's defaults (``stages`` default ``"spread"``);
-        an indicator: the paper's method with it (``stages`` default: the paper's);
+        an indicator: the paper's method with it (``stages`` default: the paper's); ``stages``
+        ``"paper"``: the paper's three stages, scaled to the depth, for either;
         ``"merging"``: the token-merging baseline fitted to the defaults' FLOPs at ``keep_rate``."""
         if self.indicator is None:
             return None
         if self.indicator == MERGING:
             return self.fitted
         forced = class_only_options(self.class_only_last)
+        stages = None if self.stages == PAPER_STAGES else cast(Stages, self.stages)
         if self.indicator == DEFAULT:
-            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else cast(Stages, self.stages),
+            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else stages,
                                overlap_stride=self.overlap_stride, **forced)
         return PruneConfig(indicator=cast(Indicator, self.indicator), keep_rate=self.keep_rate,  # PruneConfig checks it
-                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": cast(Stages, self.stages), **forced})
+                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": stages, **forced})
 
 
 @dataclass

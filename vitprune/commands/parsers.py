@@ -19,6 +19,8 @@ DEFAULT = "default"
 MODES = ("infer", "train")
 #: ``bench --dtype`` choices.
 DTYPE_NAMES = ("fp32", "bf16", "bf16-weights")
+#: ``--stages`` name for the paper's three stages, scaled to the depth (``PruneConfig(stages=None)``).
+PAPER_STAGES = "paper"
 #: ``demo``'s keep rates.
 DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 
@@ -45,8 +47,9 @@ def stage_list(text: str) -> Tuple[int, ...]:
 
 
 def named_stages(text: str) -> Union[str, Tuple[int, ...]]:
-    """``spread``, ``spread2``, ``spread3``, ``all`` or block indices ``3,6,9``."""
-    return text if text in (*SPREAD_STEPS, ALL_BLOCKS) else stage_list(text)
+    """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (kept as the name) or block
+    indices ``3,6,9``."""
+    return text if text in (*SPREAD_STEPS, ALL_BLOCKS, PAPER_STAGES) else stage_list(text)
 
 
 #: ``--class-only-last`` values -> ``class_only_last`` for every method (``None``: each its own).
@@ -98,8 +101,9 @@ the ideal ratio from the FLOP counts.""")
                         help="'default': vitprune's defaults; an indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
     parser.add_argument("--stages", nargs="+", type=named_stages, default=None,
-                        help="one or more schedules: spread, spread2, spread3, all or stage lists "
-                             "like 3,6,9 2,5,8 (default: each setting's own)")
+                        help="one or more schedules: spread, spread2, spread3, all, paper (the paper's "
+                             "three stages, scaled to the depth) or stage lists like 3,6,9 2,5,8 (default: "
+                             "each setting's own: spread for 'default', paper for an indicator)")
     parser.add_argument("--overlap-strides", nargs="+", type=positive_int, default=[],
                         help="also run every setting with these patch-embedding strides")
     parser.add_argument("--baseline", choices=("merge",), default=None,
@@ -162,7 +166,7 @@ def fraction(text: str) -> float:
 def stage_schedule(text: str):
     """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's 3 stages, scaled)
     or block indices ``3,6,9``."""
-    return None if text == "paper" else named_stages(text)
+    return None if text == PAPER_STAGES else named_stages(text)
 
 
 def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
