@@ -17,7 +17,11 @@ bench``), fits ``a, b`` by least squares, and prints:
 - for the defaults at ``--keep-rate`` (``class_only_last=False``: every block a plain
   block), the time the fit predicts from the schedule's token counts (each block at the
   mean of the tokens entering and leaving it), against the unpruned model's, beside the
-  analytic FLOP ratio: the share of the FLOP ratio a free reduction step could reach.
+  analytic FLOP ratio: the share of the FLOP ratio a free reduction step could reach;
+- with ``--range LOW HIGH``, every token count from ``LOW`` to ``HIGH`` (prefix included)
+  instead of the shares, and how far the counts on a multiple of ``--multiple`` (default 8)
+  sit from the fitted line against the others (docs/speed.md, "Token counts on a multiple
+  of 8": ``--range 100 197 --rounds 15``).
 
     python examples/block_cost.py --batch 1 --json docs/bench/cpu_deit_small_block_cost_b1.json
     python examples/block_cost.py --batch 32 --json docs/bench/cpu_deit_small_block_cost_b32.json
@@ -69,6 +73,13 @@ def predicted(coefficients: Sequence[float], tokens: float) -> float:
     return a + b * tokens
 
 
+def multiple_residuals(rows: Sequence[dict], multiple: int) -> "tuple[float, float]":
+    """Mean ``ms - fit_ms`` of the rows whose token count is a multiple of ``multiple``, and of the others."""
+    on = [r["ms"] - r["fit_ms"] for r in rows if r["tokens"] % multiple == 0]
+    off = [r["ms"] - r["fit_ms"] for r in rows if r["tokens"] % multiple]
+    return sum(on) / max(1, len(on)), sum(off) / max(1, len(off))
+
+
 def run(once: Callable[[Sequence[torch.nn.Module], int], None], blocks: Sequence[torch.nn.Module], n: int,
         repeats: int) -> None:
     """``repeats`` calls of ``once(blocks, n)``: one timed step."""
@@ -86,6 +97,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--distinct", action="store_true",
                         help="also time every block in turn (per block), against the first block as often")
+    parser.add_argument("--range", nargs=2, type=int, metavar=("LOW", "HIGH"),
+                        help="time every token count LOW..HIGH (prefix included) instead of the shares")
+    parser.add_argument("--multiple", type=int, default=8,
+                        help="with --range: compare the counts on this multiple with the others")
     parser.add_argument("--json", help="write the results here as JSON")
     args = parser.parse_args()
 
@@ -95,6 +110,9 @@ def main() -> None:
     prefix, depth = model.num_prefix_tokens, len(model.blocks)
     patches = num_patches(model)
     counts = [prefix + max(1, round(share * patches)) for share in SHARES]
+    if args.range:
+        low, high = args.range
+        counts = list(range(high, low - 1, -1))  # the full count first, as with the shares
     inputs = {n: torch.randn(args.batch, n, model.embed_dim) for n in counts}
     # each mode: the blocks one call runs, in turn, on the same input
     modes = {"one block": [model.blocks[0]]}
@@ -135,12 +153,18 @@ def main() -> None:
         fixed_share = a / predicted(coefficients, full)
         print(f"fit: t(N) = {1e3 * a:.3f} ms + {1e6 * coefficients[1]:.3f} us N; fixed share at {full} tokens: "
               f"{fixed_share:.1%}")
+        if args.range:
+            on, off = multiple_residuals(rows, args.multiple)
+            print(f"off the fitted line: counts on a multiple of {args.multiple} {on:+.3f} ms on average, "
+                  f"the others {off:+.3f} ms")
         pruned = sum(predicted(coefficients, prefix + (i + o) / 2) for i, o in zip(entering, left))
         ceiling = depth * predicted(coefficients, full) / pruned
         print(f"defaults at keep {args.keep_rate} (class_only_last=False): FLOP ratio {flop_ratio:.3f}x; the fit "
               f"predicts {ceiling:.3f}x with a free reduction step: {ceiling / flop_ratio:.1%} of the FLOP ratio")
         results[mode] = {"rows": rows, "fit_seconds": coefficients, "fixed_share": fixed_share,
                          "defaults_flop_ratio": flop_ratio, "defaults_predicted_speedup_free_step": ceiling}
+        if args.range:
+            results[mode]["off_line_ms_on_multiple_and_not"] = multiple_residuals(rows, args.multiple)
     if args.json:
         with open(args.json, "w") as handle:
             found = {"modes": results} if args.distinct else results["one block"]

@@ -42,3 +42,10 @@ def test_distinct_times_every_block_and_the_first_alike(tmp_path, monkeypatch):
         assert [row["tokens"] for row in mode["rows"]] == [1 + max(1, round(s * 196)) for s in block_cost.SHARES]
         assert all(row["ms"] > 0 for row in mode["rows"]) and mode["rows"][0]["time_share"] == 1.0
         assert mode["defaults_flop_ratio"] > 1
+
+
+def test_multiple_residuals_average_the_distance_from_the_line_by_hand():
+    rows = [{"tokens": 8, "ms": 1.0, "fit_ms": 1.25}, {"tokens": 9, "ms": 1.5, "fit_ms": 1.0},
+            {"tokens": 16, "ms": 2.0, "fit_ms": 2.75}, {"tokens": 17, "ms": 2.0, "fit_ms": 2.5}]
+    assert block_cost.multiple_residuals(rows, 8) == pytest.approx((-0.5, 0.0))
+    assert block_cost.multiple_residuals(rows, 16) == pytest.approx((-0.75, (-0.25 + 0.5 - 0.5) / 3))
