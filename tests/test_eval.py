@@ -221,8 +221,14 @@ def test_eval_reads_every_named_schedule_and_builds_each_one():
     from vitprune.commands.cli import build_parser
     args = build_parser().parse_args(["eval", "--checkpoint", ASSET, "--data-dir", ".", "--stages",
                                       "spread", "spread2", "spread3", "all", "paper", "1,3"])
-    assert args.stages == ["spread", "spread2", "spread3", "all", None, (1, 3)]
+    assert args.stages == ["spread", "spread2", "spread3", "all", "paper", (1, 3)]
     model, _ = load_shipped("fashion_mnist")
-    settings = build_settings(model, keep_rates=[0.7], stages=["spread2", "spread3"])
+    settings = build_settings(model, keep_rates=[0.7], stages=["spread2", "spread3", "paper"])
     patched = [vitprune.get_config(vitprune.patch(copy.deepcopy(model), **s.options)).stages for s in settings[1:]]
-    assert patched == [(1, 3), (2,)]  # six blocks, the last computing the class token alone
+    paper = vitprune.PruneConfig(stages=None).resolve(6, 49).stages
+    assert patched == [(1, 3), (2,), paper]  # six blocks, the last computing the class token alone
+    assert paper != vitprune.PruneConfig().resolve(6, 49).stages  # "paper" is not the defaults' own schedule
+    assert settings[3].label == "default stages paper keep 0.7"
+    # an indicator's own schedule is the paper's: "paper" names the same
+    own, named = build_settings(model, methods=["var"], keep_rates=[0.7], stages=[None, "paper"])[1:]
+    assert own.options == named.options

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import PAPER_OPTIONS, SPREAD, Indicator, PruneConfig, Stages
+from ..core.config import PAPER_OPTIONS, PAPER_STAGES, SPREAD, Indicator, PruneConfig, Stages
 from ..core.grid import input_size
 from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
@@ -35,7 +35,7 @@ from ..measure.flops import count_flops, schedule_flops
 from ..measure.memory import cpu_peak_bytes, cuda_peak_bytes
 from ..measure.outputs import main_tensor
 from ..measure.sync import device_sync
-from .parsers import CLASS_ONLY, DEFAULT, PAPER_STAGES
+from .parsers import CLASS_ONLY, DEFAULT
 
 #: ``Setting.indicator`` of the token-merging baseline.
 MERGING = "merging"

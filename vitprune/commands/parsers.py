@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Tuple, Union
 
-from ..core.config import ALL_BLOCKS, INDICATORS, SPREAD_STEPS
+from ..core.config import ALL_BLOCKS, INDICATORS, PAPER_STAGES, SPREAD_STEPS
 from ..data import DATASETS
 from ..pictures import SHOW
 
@@ -19,8 +19,6 @@ DEFAULT = "default"
 MODES = ("infer", "train")
 #: ``bench --dtype`` choices.
 DTYPE_NAMES = ("fp32", "bf16", "bf16-weights")
-#: ``--stages`` name for the paper's three stages, scaled to the depth (``PruneConfig(stages=None)``).
-PAPER_STAGES = "paper"
 #: ``demo``'s keep rates.
 DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 
@@ -47,8 +45,8 @@ def stage_list(text: str) -> Tuple[int, ...]:
 
 
 def named_stages(text: str) -> Union[str, Tuple[int, ...]]:
-    """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (kept as the name) or block
-    indices ``3,6,9``."""
+    """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's three stages,
+    scaled to the depth; kept as the name) or block indices ``3,6,9``."""
     return text if text in (*SPREAD_STEPS, ALL_BLOCKS, PAPER_STAGES) else stage_list(text)
 
 
@@ -163,12 +161,6 @@ def fraction(text: str) -> float:
     return value
 
 
-def stage_schedule(text: str):
-    """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's 3 stages, scaled)
-    or block indices ``3,6,9``."""
-    return None if text == PAPER_STAGES else named_stages(text)
-
-
 def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """\
 Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model (or a transformers
@@ -203,7 +195,7 @@ Example (ImageNet validation, a user's own copy):
                        help="keep rates (default: 0.7 when no --budgets)")
     sweep.add_argument("--budgets", nargs="*", type=fraction, default=[],
                        help="shares of the unpruned FLOPs; a keep rate is fitted to each")
-    sweep.add_argument("--stages", nargs="+", type=stage_schedule, default=None,
+    sweep.add_argument("--stages", nargs="+", type=named_stages, default=None,
                        help="schedules: spread, spread2, spread3, all, paper or block indices like 3,6,9 (default: each method's)")
     sweep.add_argument("--reductions", nargs="+", choices=("merge", "fuse", "drop"), default=None,
                        help="where removed tokens go (default: each method's)")

@@ -36,6 +36,10 @@ SPREAD: Final = "spread"
 #: between their blocks: every block, every second, every third, counted back from the last.
 SPREAD_STEPS: Mapping[str, int] = MappingProxyType({SPREAD: 1, "spread2": 2, "spread3": 3})
 
+#: The name the command line and ``build_settings`` give the paper's stages (``stages=None``,
+#: which there means "each method's own"); ``PruneConfig`` itself takes ``None``.
+PAPER_STAGES: Final = "paper"
+
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
 

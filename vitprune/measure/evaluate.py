@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from ..core.config import INDICATORS, PAPER_OPTIONS
+from ..core.config import INDICATORS, PAPER_OPTIONS, PAPER_STAGES
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -102,7 +102,9 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         budgets: Shares of the unpruned FLOPs in (0, 1]; each method's keep rate is fitted
             (``fit_keep_rate``; needs a model whose FLOPs are counted analytically: any
             family ``patch`` accepts).
-        stages: Stage schedules to override each method's own (``None``: each method's).
+        stages: Stage schedules to override each method's own (``None``: each method's), as
+            ``PruneConfig`` takes them or ``"paper"`` for the paper's three stages
+            (``stages=None``), which the defaults' method can run too.
         reductions: ``reduction`` values to override each method's own (``None``: its own).
         baseline: Add token merging at every budget (and, at every keep rate, at the FLOPs
             the defaults have there).
@@ -131,7 +133,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
             for reduction in reductions:
                 options = dict(base, **class_only_options(class_only_last))
                 if schedule is not None:
-                    options["stages"] = schedule
+                    options["stages"] = None if schedule == PAPER_STAGES else schedule
                 if reduction is not None:
                     options["reduction"] = reduction
                 suffix = "".join([f" stages {_stage_text(schedule)}" if schedule is not None else "",
