@@ -5,7 +5,7 @@ import math
 import pytest
 
 from vitprune import PruneConfig, default_stages
-from vitprune.core.config import spread_blocks
+from vitprune.core.config import PAPER_OPTIONS, method_options, spread_blocks
 
 
 @pytest.mark.parametrize("depth, expected", [(12, (3, 6, 9)), (24, (6, 12, 18)), (6, (1, 3, 4)), (2, (0, 1)), (1, (0,))])
@@ -136,3 +136,14 @@ def test_spread2_and_spread3_keep_the_most_tokens_within_spread_as_it_runs(keep,
     # the fusion token counts: the paper's reduction resolves to a schedule of its own
     fused = PruneConfig(keep_rate=keep, stages=stages, class_only_last=class_only, reduction="fuse")
     assert fused.resolve(depth, n).stages == blocks
+
+
+def test_method_options_name_the_defaults_or_the_papers_method_with_an_indicator():
+    assert method_options("default") == {}
+    assert method_options("var") == {"indicator": "var", **PAPER_OPTIONS}
+    assert method_options("default", "paper") == {"stages": None}  # the paper's stages for the defaults' method
+    assert method_options("medad", "paper") == method_options("medad")  # an indicator's own schedule
+    assert method_options("cls", "spread2") == {"indicator": "cls", **PAPER_OPTIONS, "stages": "spread2"}
+    assert method_options("default", (1, 3)) == {"stages": (1, 3)}
+    with pytest.raises(ValueError, match="unknown method 'merging'; accepted: default, var"):
+        method_options("merging")

@@ -12,6 +12,8 @@ from PIL import Image
 
 import vitprune
 from vitprune.commands.cli import main
+from vitprune.core.config import PAPER_OPTIONS
+from vitprune.data.shipped import load_shipped
 from vitprune.pictures.visualize import BORDER, draw_panels, group_panels, kept_masks, patch_footprints, visualize
 
 
@@ -187,3 +189,24 @@ def test_show_draws_the_groups_of_a_shipped_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["show", str(tmp_path / "item.png"), "--view", "merged"])
     assert "invalid choice: 'merged'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, expected", [
+    ([], dict(indicator="var", **PAPER_OPTIONS)),  # an indicator: the paper's method with it
+    (["--indicator", "default"], {}),  # vitprune's defaults
+    (["--indicator", "default", "--stages", "paper"], dict(stages=None)),
+    (["--indicator", "medad", "--stages", "spread2"], dict(indicator="medad", **{**PAPER_OPTIONS, "stages": "spread2"})),
+    (["--stages", "1,3"], dict(indicator="var", **{**PAPER_OPTIONS, "stages": (1, 3)})),
+])
+def test_show_patches_the_method_it_names(tmp_path, monkeypatch, options, expected):
+    import vitprune.commands.show as show_module
+    configs, real = [], show_module.patch
+    monkeypatch.setattr(show_module, "patch", lambda model, **kw: configs.append(vitprune.get_config(real(model, **kw))))
+    import vitprune.pictures.visualize as drawing
+    monkeypatch.setattr(drawing, "visualize", lambda *args, **kw: type("F", (), {"savefig": lambda *a, **k: None})())
+    Image.fromarray(torch.randint(0, 255, (28, 28), dtype=torch.uint8).numpy()).save(tmp_path / "item.png")
+    checkpoint = Path(vitprune.__file__).parent / "assets" / "fashion_mnist_vit.pt"
+    assert main(["show", str(tmp_path / "item.png"), "--checkpoint", str(checkpoint), "--keep-rate", "0.5",
+                 "--out", str(tmp_path / "out.png"), *options]) == 0
+    model, _ = load_shipped("fashion_mnist")
+    assert configs == [vitprune.get_config(vitprune.patch(model, keep_rate=0.5, **expected))]

@@ -18,14 +18,14 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union, cast
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..core.config import PAPER_OPTIONS, PAPER_STAGES, SPREAD, Indicator, PruneConfig, Stages
+from ..core.config import PruneConfig, method_options
 from ..core.grid import input_size
 from ..core.patching import check_model, get_config, is_patched, patch
 from ..data.hf_models import is_transformers_name, load_transformers_model
@@ -76,13 +76,8 @@ class Setting:
             return None
         if self.indicator == MERGING:
             return self.fitted
-        forced = class_only_options(self.class_only_last)
-        stages = None if self.stages == PAPER_STAGES else cast(Stages, self.stages)
-        if self.indicator == DEFAULT:
-            return PruneConfig(keep_rate=self.keep_rate, stages=SPREAD if self.stages is None else stages,
-                               overlap_stride=self.overlap_stride, **forced)
-        return PruneConfig(indicator=cast(Indicator, self.indicator), keep_rate=self.keep_rate,  # PruneConfig checks it
-                           overlap_stride=self.overlap_stride, **{**PAPER_OPTIONS, "stages": stages, **forced})
+        options = {**method_options(self.indicator, self.stages), **class_only_options(self.class_only_last)}
+        return PruneConfig(keep_rate=self.keep_rate, overlap_stride=self.overlap_stride, **options)
 
 
 @dataclass

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from typing import Tuple, Union
 
-from ..core.config import ALL_BLOCKS, INDICATORS, PAPER_STAGES, SPREAD_STEPS
+from ..core.config import ALL_BLOCKS, DEFAULT_METHOD, INDICATORS, PAPER_STAGES, SPREAD_STEPS
 from ..data import DATASETS
 from ..pictures import SHOW
 
 #: ``bench``/``eval`` setting name for vitprune's defaults (rather than the paper's method).
-DEFAULT = "default"
+DEFAULT = DEFAULT_METHOD
 #: What ``bench`` times.
 MODES = ("infer", "train")
 #: ``bench --dtype`` choices.
@@ -139,10 +139,13 @@ random weights, and what it keeps says nothing about the image.""")
                         help="a timm model name, or hf:ID_OR_FOLDER for a transformers one")
     source.add_argument("--checkpoint", default=None, help="a checkpoint of vitprune's own small ViTs")
     parser.add_argument("--pretrained", action="store_true", help="load its pretrained weights (must be cached)")
-    parser.add_argument("--indicator", choices=INDICATORS, default="var", help="what scores the patches")
+    parser.add_argument("--indicator", choices=(DEFAULT, *INDICATORS), default="var",
+                        help="'default': vitprune's defaults (merging in every block); an indicator: the "
+                             "paper's method with it (what scores the patches)")
     parser.add_argument("--keep-rate", type=float, default=0.7, help="fraction of patches each stage keeps")
-    parser.add_argument("--stages", type=stage_list, default=None,
-                        help="comma-separated block indices, e.g. 3,6,9 (default: the paper's, scaled)")
+    parser.add_argument("--stages", type=named_stages, default=None,
+                        help="a schedule: spread, spread2, spread3, all, paper or block indices like 3,6,9 "
+                             "(default: the method's own: spread for 'default', paper for an indicator)")
     parser.add_argument("--overlap-stride", type=int, default=None, help="patch-embedding stride (overlap)")
     parser.add_argument("--view", choices=SHOW, default="kept",
                         help="kept: pruned patches dimmed; groups: the patches each token holds, in their "

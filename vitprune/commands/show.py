@@ -7,6 +7,7 @@ import functools
 import sys
 from typing import Optional
 
+from ..core.config import method_options
 from ..core.patching import patch
 from ..data import models
 from ..data.hf_models import preprocessing_note
@@ -39,8 +40,8 @@ def main(args: argparse.Namespace) -> int:
         if source == "random weights":
             print(f"note: {args.model} has random weights (no --pretrained or --checkpoint): what it keeps says "
                   "nothing about the image")
-        patch(model, indicator=args.indicator, keep_rate=args.keep_rate, stages=args.stages,
-              overlap_stride=args.overlap_stride)
+        patch(model, keep_rate=args.keep_rate, overlap_stride=args.overlap_stride,
+              **method_options(args.indicator, args.stages))
         x, display = prepare(picture)
         figure = visualize(model, x, display, show=args.view)
         figure.savefig(args.out, dpi=100)

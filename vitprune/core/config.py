@@ -39,6 +39,9 @@ SPREAD_STEPS: Mapping[str, int] = MappingProxyType({SPREAD: 1, "spread2": 2, "sp
 #: The name the command line and ``build_settings`` give the paper's stages (``stages=None``,
 #: which there means "each method's own"); ``PruneConfig`` itself takes ``None``.
 PAPER_STAGES: Final = "paper"
+#: The command line's name for vitprune's defaults, beside the indicators (each: the paper's
+#: method with it); see :func:`method_options`.
+DEFAULT_METHOD: Final = "default"
 
 #: The paper prunes after the 4th, 7th and 10th of 12 blocks: at 1/4, 2/4, 3/4 of the depth.
 PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
@@ -48,6 +51,23 @@ PAPER_STAGE_FRACTIONS: Tuple[float, ...] = (0.25, 0.5, 0.75)
 #: through the last block.
 PAPER_OPTIONS: Mapping[str, Any] = MappingProxyType(
     dict(stages=None, selection="top", reduction="fuse", size_aware=False, class_only_last=False))
+
+
+def method_options(method: str, stages: Any = None) -> "dict[str, Any]":
+    """``patch`` options for a method as the commands name it: ``"default"``, vitprune's
+    defaults (no options); an indicator, the paper's method with it (:data:`PAPER_OPTIONS`).
+    ``stages`` replaces the method's own schedule: ``None`` keeps it, ``"paper"`` is the
+    paper's three stages (``stages=None``), anything else goes to ``patch`` as it is.
+
+    Raises:
+        ValueError: ``method`` is neither ``"default"`` nor an indicator.
+    """
+    if method != DEFAULT_METHOD and method not in INDICATORS:
+        raise ValueError(f"unknown method {method!r}; accepted: {', '.join((DEFAULT_METHOD, *INDICATORS))}")
+    options: "dict[str, Any]" = {} if method == DEFAULT_METHOD else {"indicator": method, **PAPER_OPTIONS}
+    if stages is not None:
+        options["stages"] = None if stages == PAPER_STAGES else stages
+    return options
 
 
 def default_stages(depth: int) -> Tuple[int, ...]:

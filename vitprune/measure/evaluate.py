@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from ..core.config import INDICATORS, PAPER_OPTIONS, PAPER_STAGES
+from ..core.config import DEFAULT_METHOD, INDICATORS, method_options
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -26,7 +26,7 @@ from .outputs import logits_of
 from .sync import device_sync
 
 #: Method names: vitprune's defaults, the paper's method with each indicator, token merging.
-DEFAULT, MERGING = "default", "merging"
+DEFAULT, MERGING = DEFAULT_METHOD, "merging"
 METHODS = (DEFAULT, *INDICATORS)
 
 
@@ -128,12 +128,9 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
     scratch = copy.deepcopy(model)  # patched again for each check: patch replaces the previous patch
     settings = [Setting("unpruned", "unpruned")]
     for method in methods:
-        base = {} if method == DEFAULT else dict(indicator=method, **PAPER_OPTIONS)
         for schedule in ([None] if stages is None else list(stages)):
             for reduction in reductions:
-                options = dict(base, **class_only_options(class_only_last))
-                if schedule is not None:
-                    options["stages"] = None if schedule == PAPER_STAGES else schedule
+                options = dict(method_options(method, schedule), **class_only_options(class_only_last))
                 if reduction is not None:
                     options["reduction"] = reduction
                 suffix = "".join([f" stages {_stage_text(schedule)}" if schedule is not None else "",
