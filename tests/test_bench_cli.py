@@ -111,6 +111,7 @@ def test_bench_bf16_weights_times_bfloat16_models_without_autocast(tmp_path, mon
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
     (["--out", "table.txt"], "must end in .json or .csv"),
     (["--stages", "3,x"], "comma-separated block indices"),
+    (["--stages", "spread4"], "one of spread, spread2, spread3, all, paper or comma-separated block indices"),
     (["--indicators", "entropy"], "invalid choice"),
     (["--batch", "0"], "positive integer"),
     (["--model", "xcit_nano_12_p16_224"], "its cross-covariance attention mixes channels"),

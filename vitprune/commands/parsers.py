@@ -47,7 +47,14 @@ def stage_list(text: str) -> Tuple[int, ...]:
 def named_stages(text: str) -> Union[str, Tuple[int, ...]]:
     """``spread``, ``spread2``, ``spread3``, ``all``, ``paper`` (the paper's three stages,
     scaled to the depth; kept as the name) or block indices ``3,6,9``."""
-    return text if text in (*SPREAD_STEPS, ALL_BLOCKS, PAPER_STAGES) else stage_list(text)
+    names = (*SPREAD_STEPS, ALL_BLOCKS, PAPER_STAGES)
+    if text in names:
+        return text
+    try:
+        return stage_list(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"a schedule is one of {', '.join(names)} or comma-separated block "
+                                         f"indices like 3,6,9, got {text!r}") from None
 
 
 #: ``--class-only-last`` values -> ``class_only_last`` for every method (``None``: each its own).
