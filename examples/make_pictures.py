@@ -6,6 +6,9 @@
    through ``deit_small_patch16_224`` with random weights (nothing can be downloaded here):
    the choice of patches shows the mechanics only, not what a trained model attends to.
 2. Fashion-MNIST and cluttered Fashion-MNIST test images through the shipped trained models.
+
+Pictures 1 and 2 run the paper's method with var (``PAPER_OPTIONS``: its three stages, one
+fusion token), as ``vitprune show --indicator var`` draws it.
 3. The defaults (token merging in every block) on the shipped Fashion-MNIST model, drawn as
    the groups of patches each token holds (``show="groups"``).
 """
@@ -14,12 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import timm
 import torch
 from PIL import Image
 
 import vitprune
-from vitprune.data import datasets
+from vitprune.core.config import PAPER_OPTIONS
+from vitprune.data import datasets, models
 from vitprune.data.shipped import load_shipped, load_test_subset
 from vitprune.data.pictures import prepare_timm
 
@@ -30,9 +33,9 @@ def photograph() -> None:
     from sklearn.datasets import load_sample_image
 
     torch.manual_seed(0)
-    model = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
-    vitprune.patch(model, indicator="var", keep_rate=0.7, stages=None)  # the paper's stages: three panels
-    x, display = prepare_timm(model, Image.fromarray(load_sample_image("china.jpg")))
+    model, config, _ = models.load_model("deit_small_patch16_224", None, pretrained=False)  # and its data config
+    vitprune.patch(model, indicator="var", keep_rate=0.7, **PAPER_OPTIONS)  # the paper's stages: three panels
+    x, display = prepare_timm(config, Image.fromarray(load_sample_image("china.jpg")))
     figure = vitprune.visualize(model, x, display)
     figure.suptitle("var, keep 0.7 - deit_small with RANDOM weights: mechanics only", fontsize=10)
     figure.savefig(OUT / "photo_random_weights.png", dpi=90)
@@ -40,7 +43,7 @@ def photograph() -> None:
 
 def shipped(dataset: str, indicator: str = "var", keep_rate: float = 0.5, count: int = 4) -> None:
     model, _ = load_shipped(dataset)
-    vitprune.patch(model, indicator=indicator, keep_rate=keep_rate, stages=None)
+    vitprune.patch(model, indicator=indicator, keep_rate=keep_rate, **PAPER_OPTIONS)
     images, labels = load_test_subset(dataset)
     x = datasets.to_input(images[:count])
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """Kept-patch pictures: the drawn masks agree exactly with the recorded kept positions."""
 
+import importlib.util
 import subprocess
 import sys
 import warnings
@@ -210,3 +211,18 @@ def test_show_patches_the_method_it_names(tmp_path, monkeypatch, options, expect
                  "--out", str(tmp_path / "out.png"), *options]) == 0
     model, _ = load_shipped("fashion_mnist")
     assert configs == [vitprune.get_config(vitprune.patch(model, keep_rate=0.5, **expected))]
+
+
+def test_the_readme_pictures_script_still_runs(tmp_path, monkeypatch):
+    # examples/make_pictures.py against today's API (it once called prepare_timm with a model)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "examples"))
+    import make_pictures
+
+    monkeypatch.setattr(make_pictures, "OUT", tmp_path)
+    make_pictures.shipped("cluttered", count=2)
+    make_pictures.merged_groups(count=2)
+    expected = ["cluttered_kept.png", "fashion_mnist_groups.png"]
+    if importlib.util.find_spec("sklearn") is not None:  # the photograph ships with scikit-learn (the docs extra)
+        make_pictures.photograph()
+        expected.append("photo_random_weights.png")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
