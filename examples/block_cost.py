@@ -153,18 +153,18 @@ def main() -> None:
         fixed_share = a / predicted(coefficients, full)
         print(f"fit: t(N) = {1e3 * a:.3f} ms + {1e6 * coefficients[1]:.3f} us N; fixed share at {full} tokens: "
               f"{fixed_share:.1%}")
-        if args.range:
-            on, off = multiple_residuals(rows, args.multiple)
-            print(f"off the fitted line: counts on a multiple of {args.multiple} {on:+.3f} ms on average, "
-                  f"the others {off:+.3f} ms")
+        residuals = multiple_residuals(rows, args.multiple) if args.range else None
+        if residuals is not None:
+            print(f"off the fitted line: counts on a multiple of {args.multiple} {residuals[0]:+.3f} ms on average, "
+                  f"the others {residuals[1]:+.3f} ms")
         pruned = sum(predicted(coefficients, prefix + (i + o) / 2) for i, o in zip(entering, left))
         ceiling = depth * predicted(coefficients, full) / pruned
         print(f"defaults at keep {args.keep_rate} (class_only_last=False): FLOP ratio {flop_ratio:.3f}x; the fit "
               f"predicts {ceiling:.3f}x with a free reduction step: {ceiling / flop_ratio:.1%} of the FLOP ratio")
         results[mode] = {"rows": rows, "fit_seconds": coefficients, "fixed_share": fixed_share,
                          "defaults_flop_ratio": flop_ratio, "defaults_predicted_speedup_free_step": ceiling}
-        if args.range:
-            results[mode]["off_line_ms_on_multiple_and_not"] = multiple_residuals(rows, args.multiple)
+        if residuals is not None:
+            results[mode]["off_line_ms_on_multiple_and_not"] = residuals
     if args.json:
         with open(args.json, "w") as handle:
             found = {"modes": results} if args.distinct else results["one block"]

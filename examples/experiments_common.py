@@ -71,5 +71,5 @@ def every_stages(depth: int, step: int, class_only_last: bool = False) -> Tuple[
     ...`` that the experiments recorded there ran."""
     if step < 1:
         raise ValueError(f"step must be a positive number of blocks, got {step}")
-    blocks = spread_blocks(depth, step)
-    return blocks[:-1] if class_only_last and blocks[-1] == depth - 1 else blocks
+    blocks = spread_blocks(depth, step)  # always ends at the last block
+    return blocks[:-1] if class_only_last else blocks

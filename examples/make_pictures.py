@@ -6,11 +6,11 @@
    through ``deit_small_patch16_224`` with random weights (nothing can be downloaded here):
    the choice of patches shows the mechanics only, not what a trained model attends to.
 2. Fashion-MNIST and cluttered Fashion-MNIST test images through the shipped trained models.
+3. The defaults (token merging in every block) on the shipped Fashion-MNIST model, drawn as
+   the groups of patches each token holds (``show="groups"``).
 
 Pictures 1 and 2 run the paper's method with var (``PAPER_OPTIONS``: its three stages, one
 fusion token), as ``vitprune show --indicator var`` draws it.
-3. The defaults (token merging in every block) on the shipped Fashion-MNIST model, drawn as
-   the groups of patches each token holds (``show="groups"``).
 """
 
 from __future__ import annotations

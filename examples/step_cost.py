@@ -18,8 +18,9 @@ of its ideal speedup (the ratio of analytic FLOPs):
 - ``defaults' method, every S blocks`` (``--every``, default 2 and 3): the defaults' matching
   and merging in every S-th block only (``every_stages``: ``S - 1, 2 S - 1, ...`` where S
   divides the depth), its keep rate fitted to the defaults' FLOPs (``fit_keep_rate``): the
-  same cost in fewer, larger steps, so fewer per-step operations. Its accuracy is not the defaults': on our six-block models every second
-  block is three stages, the 'bipartite, merge, 3 stages' row of docs/merging.md.
+  same cost in fewer, larger steps, so fewer per-step operations. Its accuracy is not the
+  defaults': on our six-block models every second block is three stages, the 'bipartite,
+  merge, 3 stages' row of docs/merging.md.
 - ``defaults with crowding W`` (``--crowding W ...``, none by default): the defaults with
   crowding in their matching (docs/method.md §4): the same tokens and FLOPs, a few more
   elementwise operations per step.

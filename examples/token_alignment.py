@@ -38,18 +38,15 @@ import torch
 
 import vitprune
 from vitprune.commands.bench import time_interleaved
-from vitprune.core.config import PruneConfig, keep_count
+from vitprune.core.config import PruneConfig, keep_count, token_counts
 from vitprune.measure.flops import schedule_flops
 
 
-def stage_counts(config: PruneConfig, num_patches: int) -> List[int]:
+def stage_counts(config: PruneConfig, depth: int, num_patches: int) -> List[int]:
     """Non-prefix tokens left after each stage block of a resolved ``config`` (no fusion token)."""
-    _, rates = config.schedule()
-    counts, n = [], num_patches
-    for rate in rates:
-        n = keep_count(rate, n)
-        counts.append(n)
-    return counts
+    stages, rates = config.schedule()
+    after = token_counts(rates, stages, depth, num_patches, fuse=False)
+    return [after[stage] for stage in stages]
 
 
 def token_total(stages: Sequence[int], counts: Sequence[int], depth: int, n: int, prefix: int) -> int:
@@ -107,7 +104,7 @@ def settings(model: torch.nn.Module, names: Sequence[str], keep_rate: float, mul
     for name in names:
         base = vitprune.get_config(vitprune.patch(copy.deepcopy(model), keep_rate=keep_rate, stages=name))
         stages, _ = base.schedule()
-        counts = stage_counts(base, n)
+        counts = stage_counts(base, depth, n)
         aligned = aligned_counts(stages, counts, depth, n, prefix, multiple)
         control = [c - 1 for c in aligned]
         out[name] = (base, counts)
@@ -134,8 +131,7 @@ def main() -> None:
     model = timm.create_model(args.model).eval()
     configs = settings(model, args.stages, args.keep_rate, args.multiple)
     models = {"unpruned": model, **{k: vitprune.patch(copy.deepcopy(model), c) for k, (c, _) in configs.items()}}
-    flops = {k: schedule_flops(model, None if k == "unpruned" else c) for k, (c, _) in
-             {"unpruned": (None, []), **configs}.items()}
+    flops = {"unpruned": schedule_flops(model, None), **{k: schedule_flops(model, c) for k, (c, _) in configs.items()}}
     x = torch.randn(args.batch, 3, *model.patch_embed.img_size)
 
     def step(net: torch.nn.Module):

@@ -24,7 +24,7 @@ def test_the_token_total_counts_every_blocks_attention_and_mlp_by_hand():
 def test_the_token_total_is_what_the_flop_counter_runs():
     config = vitprune.PruneConfig(keep_rate=(0.8, 0.6), stages=(1, 3))
     schedule = token_schedule(config, 5, 1, 49)
-    counts = token_alignment.stage_counts(config, 49)
+    counts = token_alignment.stage_counts(config, 5, 49)
     assert token_alignment.token_total((1, 3), counts, 5, 49, 1) == sum(b.attn + b.mlp for b in schedule)
 
 

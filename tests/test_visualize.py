@@ -3,6 +3,7 @@
 import importlib.util
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -204,7 +205,7 @@ def test_show_patches_the_method_it_names(tmp_path, monkeypatch, options, expect
     configs, real = [], show_module.patch
     monkeypatch.setattr(show_module, "patch", lambda model, **kw: configs.append(vitprune.get_config(real(model, **kw))))
     import vitprune.pictures.visualize as drawing
-    monkeypatch.setattr(drawing, "visualize", lambda *args, **kw: type("F", (), {"savefig": lambda *a, **k: None})())
+    monkeypatch.setattr(drawing, "visualize", lambda *args, **kw: types.SimpleNamespace(savefig=lambda *a, **k: None))
     Image.fromarray(torch.randint(0, 255, (28, 28), dtype=torch.uint8).numpy()).save(tmp_path / "item.png")
     checkpoint = Path(vitprune.__file__).parent / "assets" / "fashion_mnist_vit.pt"
     assert main(["show", str(tmp_path / "item.png"), "--checkpoint", str(checkpoint), "--keep-rate", "0.5",
