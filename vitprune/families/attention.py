@@ -262,41 +262,72 @@ def prefix_rows(bias: Optional[torch.Tensor], num_prefix: int) -> Optional[torch
     return bias
 
 
+def project_prefix_qkv(attn: AttentionModule, x: torch.Tensor, num_prefix: int
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`project_qkv` with queries for the first ``num_prefix`` tokens only: ``q``
+    ``(B, heads, P, d)``, ``k`` and ``v`` of every token. A fused ``qkv`` runs as two products
+    on slices of its weight (and of its bias, or of EVA's ``q_bias``/``k_bias``/``v_bias``)."""
+    B, L, _ = x.shape
+    prefix = x[:, :num_prefix]
+    if attn.qkv is None:
+        kv_heads = member(attn, "num_kv_heads", attn.num_heads)
+        q = split_heads(attn.q_proj(prefix), attn.num_heads).transpose(1, 2)
+        k = split_heads(attn.k_proj(x), kv_heads).transpose(1, 2)
+        return q, k, split_heads(attn.v_proj(x), kv_heads).transpose(1, 2)
+    weight, bias, separate = attn.qkv.weight, attn.qkv.bias, False
+    if member(attn, "q_bias") is not None:
+        bias, separate = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)), attn.qkv_bias_separate
+    width = weight.shape[0] // 3
+    if separate:  # timm adds the bias after the product
+        q = F.linear(prefix, weight[:width]) + bias[:width]
+        kv = F.linear(x, weight[width:]) + bias[width:]
+    else:
+        q = F.linear(prefix, weight[:width], None if bias is None else bias[:width])
+        kv = F.linear(x, weight[width:], None if bias is None else bias[width:])
+    head_dim = width // attn.num_heads
+    k, v = kv.reshape(B, L, 2, attn.num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return split_heads(q, attn.num_heads).transpose(1, 2), k, v
+
+
 def prefix_attention(attn: AttentionModule, x: torch.Tensor, num_prefix: int,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``attn(x)[:, :num_prefix]`` for timm's ``Attention``, without the other tokens' queries.
+                     bias: Optional[torch.Tensor] = None, rope: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``attn(x)[:, :num_prefix]``, without the other tokens' queries.
 
     Keys and values come from every token; queries, the attention products, ``norm``,
     ``gate`` and ``proj`` from the first ``num_prefix`` only: what a block needs when the
-    model reads nothing but the class token after it (``class_only_last``). The fused
-    ``qkv`` projection runs as two products on slices of its weight.
+    model reads nothing but the class token after it (``class_only_last``). The same
+    modules as :func:`attention_with_row`: timm's ``Attention``, Eva's ``EvaAttention`` and
+    ``AttentionRope`` (rotary embedding on the keys of the non-prefix tokens: the prefix
+    tokens' queries are never rotated, as in timm; grouped key/value heads).
 
     Args:
-        attn: A timm ``Attention`` (fused ``qkv``; ``families.vit.class_only_reason`` checks).
+        attn: The attention module.
         x: ``(B, P + N, C)`` tokens, already normed by the block where it norms first.
         num_prefix: ``P``.
         bias: Additive attention bias broadcastable to ``(B, H, P + N, P + N)``, or ``None``.
+        rope: timm's rotary table for the non-prefix tokens (``cat`` layout), or ``None``.
 
     Returns:
         ``(B, P, C)``: the attention output of the prefix tokens.
     """
-    B, L, _ = x.shape
-    P, heads = num_prefix, attn.num_heads
-    weight, qkv_bias = attn.qkv.weight, attn.qkv.bias
-    width = weight.shape[0] // 3
-    prefix = x[:, :P]
-    q = F.linear(prefix, weight[:width], None if qkv_bias is None else qkv_bias[:width])
-    kv = F.linear(x, weight[width:], None if qkv_bias is None else qkv_bias[width:])
-    q = split_heads(q, heads).transpose(1, 2)
-    k, v = kv.reshape(B, L, 2, heads, width // heads).permute(2, 0, 3, 1, 4).unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
+    P = num_prefix
+    q, k, v = project_prefix_qkv(attn, x, P)
+    q_norm, k_norm = member(attn, "q_norm"), member(attn, "k_norm")
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    if rope is not None:
+        k = rotate(k, rope, attn.num_prefix_tokens, member(attn, "rotate_half", False)).type_as(v)
+        q = q.type_as(v)
+    groups = member(attn, "num_kv_groups", 1)
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out, _ = attend(q, k, v, scale=attn.scale, fused=attn.fused_attn, attn_drop=attn.attn_drop,
                     num_prefix=P, source="none", bias=prefix_rows(bias, P))
-    out = out.transpose(1, 2).reshape(B, P, width)
+    out = out.transpose(1, 2).flatten(2)
     norm = member(attn, "norm")
     if norm is not None:
         out = norm(out)
     gate_layer = member(attn, "gate")
     if gate_layer is not None:
-        out = out * gate_layer(prefix).sigmoid()
+        out = out * gate_layer(x[:, :P]).sigmoid()
     return attn.proj_drop(attn.proj(out))

@@ -7,7 +7,9 @@ first stage on is swapped for a subclass that gathers the table rows of its toke
 ``PruneState.positions``, the same indices ``kept_positions`` reports). The fusion token
 gets the identity rotation (sin 0, cos 1): it stands for many places, so it carries no
 position. Stage blocks run the attention themselves (``attention_with_row`` with the
-table), to get the scored row; blocks that only follow run timm's own forward.
+table), to get the scored row; blocks that only follow run timm's own forward. With
+``class_only_last`` (a rope ViT whose head reads the class token alone) the last block
+computes the prefix tokens alone, its keys rotated by their own rows.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
 
 from ..core.registry import Family, register
 from ..core.state import Scored
-from .attention import attention_with_row
+from .attention import attention_with_row, prefix_attention
 from .layouts import PreNorm, PruningBlock, ResPost, refuse_masks
-from .pooling import PrunedModel
+from .pooling import PrunedModel, timm_class_only_reason
 
 
 def follow_rope(rope: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -58,12 +60,19 @@ class _EvaBlock(PruningBlock):
         (bias, rope), state = context, self.vitprune_state
         return attention_with_row(self.attn, tokens, state.num_prefix, state.row_source, bias, rope)
 
+    def _vitprune_prefix_attention(self, tokens: torch.Tensor,
+                                   context: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]) -> torch.Tensor:
+        bias, rope = context
+        return prefix_attention(self.attn, tokens, self.vitprune_state.num_prefix, bias, rope)
+
     def forward(self, x: torch.Tensor, rope: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
         refuse_masks(attn_mask, is_causal)
         bias, positions = self._vitprune_begin(x), self._vitprune_positions()
         if rope is not None and positions is not None:
             rope = follow_rope(rope, positions)
+        if self.vitprune_class_only and self.vitprune_state.head_only:
+            return self._vitprune_prefix_forward(x, (bias, rope))
         if self.vitprune_stage is None:
             return super().forward(x, rope=rope, attn_mask=bias)  # the timm block's own forward
         return self._vitprune_forward(x, (bias, rope))
@@ -84,8 +93,16 @@ class PruneEva(PrunedModel, Eva):
         return self.attn_pool is not None
 
 
+def class_only_reason(model: torch.nn.Module) -> Optional[str]:
+    """Why ``class_only_last`` cannot apply to this Eva, or ``None``: it needs a head that
+    reads the class token alone and a last block of timm's ``EvaBlock`` or
+    ``EvaBlockPostNorm`` with timm's ``EvaAttention`` or ``AttentionRope``."""
+    return timm_class_only_reason(model, (EvaBlock, EvaBlockPostNorm), "timm's EvaAttention or AttentionRope",
+                                  lambda attn: type(attn) in (EvaAttention, AttentionRope))
+
+
 register(Family(
     model=Eva, patched=PruneEva, blocks={EvaBlock: PruneEvaBlock, EvaBlockPostNorm: PruneEvaBlockPostNorm},
     attention=(EvaAttention, AttentionRope), follows=True, check_followers=False,
-    examples="eva02_*, rope ViTs, DINOv3 and PE on timm's Eva",
+    examples="eva02_*, rope ViTs, DINOv3 and PE on timm's Eva", class_only=class_only_reason,
 ))

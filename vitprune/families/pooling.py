@@ -25,13 +25,13 @@ Changed methods, which differ from timm's only while a forward pruned something:
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict
 
 import torch
 from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
-from ..core.registry import family_of
+from ..core.registry import family_of, original_block_class, timm_blocks
 from ..core.tokens import is_compiling
 
 
@@ -67,6 +67,35 @@ else:
 
 #: The attribute ``forward_features`` sets on the features it returns: their token sizes.
 SIZES_ATTR = "_vitprune_sizes"
+
+
+def _token_head_reason(model: Any) -> "str | None":
+    """Why ``model``'s head may read more than its prefix tokens (a sentence), or ``None``
+    when it reads them alone (timm's ``global_pool="token"``, no attention pool): the first
+    condition of ``class_only_last`` (``Family.class_only``) for timm's models."""
+    if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
+        return (f"the head must read the class token alone (global_pool='token'), but this model pools "
+                f"with global_pool={model.global_pool!r}, which reads every token of the last block")
+    return None
+
+
+def timm_class_only_reason(model: Any, blocks: "tuple[type, ...]", attention: str,
+                           accepts: "Callable[[torch.nn.Module], bool]") -> "str | None":
+    """Why ``class_only_last`` cannot apply to a timm model (a sentence), or ``None``: its head
+    must read the prefix tokens alone (:func:`_token_head_reason`), its last block be of one of
+    ``blocks`` (original classes), and that block's ``attn`` be one ``accepts`` takes
+    (``attention`` describes those, for the message)."""
+    head = _token_head_reason(model)
+    if head is not None:
+        return head
+    last = timm_blocks(model)[-1]
+    kind, attn = original_block_class(last), getattr(last, "attn", None)
+    if kind not in blocks:
+        return f"the last block must be a timm {' or '.join(b.__name__ for b in blocks)}, but it is a {kind.__name__}"
+    if attn is None or not accepts(attn):
+        found = "no attention module" if attn is None else f"a {type(attn).__name__}"
+        return f"the last block's attention must be {attention}, but it has {found}"
+    return None
 
 
 def size_weighted_mean(tokens: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -19,11 +19,11 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import (Block, ParallelScalingBlock, ParallelThingsBlock, ResPostBlock,
                                             VisionTransformer)
 
-from ..core.registry import Family, attention_heads, original_block_class, own_attention, register, timm_blocks
+from ..core.registry import Family, attention_heads, own_attention, register
 from ..core.state import Scored
 from .attention import attention_with_row, join_scored, parallel_scaling_with_row, prefix_attention
 from .layouts import PreNorm, PruningBlock, ResPost, refuse_masks
-from .pooling import PrunedModel
+from .pooling import PrunedModel, timm_class_only_reason
 
 
 class _ViTBlock(PruningBlock):
@@ -92,17 +92,8 @@ def class_only_reason(model: torch.nn.Module) -> Optional[str]:
     """Why ``class_only_last`` cannot apply to this ViT, or ``None``: it needs a head that
     reads the prefix tokens alone and a last block of timm's ``Block`` or ``ResPostBlock``
     with timm's ``Attention`` (a fused ``qkv``)."""
-    if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
-        return (f"the head must read the class token alone (global_pool='token'), but this model pools "
-                f"with global_pool={model.global_pool!r}, which reads every token of the last block")
-    last = timm_blocks(model)[-1]
-    kind, attn = original_block_class(last), getattr(last, "attn", None)
-    if kind not in (Block, ResPostBlock):
-        return f"the last block must be a timm Block or ResPostBlock, but it is a {kind.__name__}"
-    if type(attn) is not Attention or not isinstance(getattr(attn, "qkv", None), torch.nn.Linear):
-        found = "no attention module" if attn is None else f"a {type(attn).__name__}"
-        return f"the last block's attention must be timm's Attention with a fused qkv Linear, but it has {found}"
-    return None
+    return timm_class_only_reason(model, (Block, ResPostBlock), "timm's Attention with a fused qkv Linear",
+                                  lambda attn: type(attn) is Attention and isinstance(attn.qkv, torch.nn.Linear))
 
 
 def attention_modules(block: torch.nn.Module) -> Dict[str, torch.nn.Module]:
