@@ -20,6 +20,9 @@ Changed methods, which differ from timm's only while a forward pruned something:
   the grid has patches, so their NCHW maps are those tokens spread back over the grid
   (``vitprune.unmerge``: each patch the features of the token that holds it); ``"NLC"``
   returns the tokens themselves.
+
+``timm_class_only_reason`` says whether a timm model's head reads the prefix tokens alone
+and its last block can compute them alone (``Family.class_only`` of the ViT and Eva families).
 """
 
 from __future__ import annotations
