@@ -83,12 +83,13 @@ def measure(name: str, kwargs: Dict, batch: int, rounds: int) -> Dict:
         return {"supported": False, "reason": next(iter(refusals.values()))}
     x = torch.randn(batch, 3, *input_size(model, kwargs.get("img_size")), generator=torch.Generator().manual_seed(1))
     result: Dict = {"supported": True, "source": pruned["paper"].vitprune_state.row_source}
+    unpruned_flops = count_flops(model)
     with torch.no_grad():
         reference = model(x)
         for method, options in METHODS.items():
             equal = vitprune.patch(copy.deepcopy(model), keep_rate=1.0, **options)
             result[method] = {"error": (equal(x) - reference).abs().max().item(),
-                              "ideal": count_flops(model) / count_flops(pruned[method])}
+                              "ideal": unpruned_flops / count_flops(pruned[method])}
     steps = {"unpruned": make_step(model, x, "infer", torch.float32)}
     steps.update({method: make_step(pruned[method], x, "infer", torch.float32) for method in METHODS})
     seconds = time_interleaved(steps, rounds=rounds, warmup=1, sync=lambda: None, progress=False)

@@ -126,6 +126,23 @@ def assert_same(before, after):
     assert before["params"] == after["params"]
 
 
+def assert_class_only_exact(model, x, fused, atol):
+    """With nothing reduced, ``class_only_last=True`` gives the unpatched model's logits, with
+    fused or explicit attention (``fused``), and a direct ``forward_features`` still computes
+    every token. Patches ``model``."""
+    import vitprune
+
+    for block in model.blocks:
+        block.attn.fused_attn = fused
+    with torch.no_grad():
+        expected, features = model(x), model.forward_features(x)
+    vitprune.patch(model, keep_rate=1.0, class_only_last=True)
+    assert model.blocks[-1].vitprune_class_only
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=atol)
+        torch.testing.assert_close(model.forward_features(x), features)  # called directly: every token
+
+
 @pytest.fixture
 def tiny() -> torch.nn.Module:
     return make_model("deit_tiny")

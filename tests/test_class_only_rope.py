@@ -11,7 +11,7 @@ from timm.layers import AttentionRope
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, assert_same, available, snapshot
+from conftest import PAPER, assert_class_only_exact, assert_same, available, snapshot
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
 _SMALL = dict(img_size=64, depth=4)
@@ -53,17 +53,7 @@ def logits(model, x):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
     model = build(kind)
-    for block in model.blocks:
-        block.attn.fused_attn = fused
-    x = images(model)
-    expected = logits(model, x)
-    with torch.no_grad():
-        features = model.forward_features(x)
-    vitprune.patch(model, keep_rate=1.0, class_only_last=True)
-    assert model.blocks[-1].vitprune_class_only
-    assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        assert_close(model.forward_features(x), features)  # called directly: every token
+    assert_class_only_exact(model, images(model), fused, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
