@@ -102,6 +102,30 @@ def test_a_last_attention_of_another_class_is_named_in_the_refusal():
     before = snapshot(model)
     with pytest.raises(TypeError, match="class_only_last=True cannot apply") as caught:
         vitprune.patch(model, class_only_last=True)
-    assert ("the last block's attention must be timm's EvaAttention or AttentionRope, but it has a "
-            "_SubclassedAttentionRope") in str(caught.value)
+    assert ("the last block's attention must be timm's EvaAttention or AttentionRope with a fused qkv Linear or "
+            "separate projections, but it has a _SubclassedAttentionRope") in str(caught.value)
     assert_same(before, snapshot(model))
+
+
+class _ScaledLinear(torch.nn.Module):
+    """A Linear with something added to its forward (as an adapter wraps one): a weight that is
+    not the whole of what it computes."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear, self.weight, self.bias = linear, linear.weight, linear.bias
+
+    def forward(self, x):
+        return 2 * self.linear(x)
+
+
+def test_a_fused_qkv_that_is_not_a_linear_keeps_the_whole_last_block():
+    model = build("AttentionRope, fused qkv")
+    model.blocks[-1].attn.qkv = _ScaledLinear(model.blocks[-1].attn.qkv)
+    x = images(model)
+    with pytest.raises(TypeError, match="but it has a AttentionRope"):
+        vitprune.patch(copy.deepcopy(model), class_only_last=True)
+    expected = logits(vitprune.patch(copy.deepcopy(model), keep_rate=0.5, class_only_last=False), x)
+    vitprune.patch(model, keep_rate=0.5)  # the default: off here
+    assert not vitprune.get_config(model).class_only_last
+    assert_close(logits(model, x), expected, rtol=0, atol=0)

@@ -96,9 +96,12 @@ class PruneEva(PrunedModel, Eva):
 def class_only_reason(model: torch.nn.Module) -> Optional[str]:
     """Why ``class_only_last`` cannot apply to this Eva, or ``None``: it needs a head that
     reads the class token alone and a last block of timm's ``EvaBlock`` or
-    ``EvaBlockPostNorm`` with timm's ``EvaAttention`` or ``AttentionRope``."""
-    return timm_class_only_reason(model, (EvaBlock, EvaBlockPostNorm), "timm's EvaAttention or AttentionRope",
-                                  lambda attn: type(attn) in (EvaAttention, AttentionRope))
+    ``EvaBlockPostNorm`` with timm's ``EvaAttention`` or ``AttentionRope``, its fused ``qkv``
+    (if any) a ``Linear``: ``prefix_attention`` multiplies by slices of its weight."""
+    return timm_class_only_reason(
+        model, (EvaBlock, EvaBlockPostNorm), "timm's EvaAttention or AttentionRope with a fused qkv Linear or separate "
+        "projections", lambda attn: type(attn) in (EvaAttention, AttentionRope)
+        and (attn.qkv is None or isinstance(attn.qkv, torch.nn.Linear)))
 
 
 register(Family(
