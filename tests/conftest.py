@@ -69,6 +69,7 @@ FAMILIES: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "Sapiens2 (rope, grouped key/value heads)":  # full heads in the first and last block, as timm's layout
         ("vit_base_patch16_sapiens2", dict(_SMALL, num_kv_heads=(12, 6, 6, 12))),
     "BEiT (relative position bias)": ("beit_base_patch16_224", _SMALL),
+    "BEiT, shared table": ("beit_base_patch16_224", dict(_SMALL, use_rel_pos_bias=False, use_shared_rel_pos_bias=True)),
     "relpos, no class token": ("vit_relpos_small_patch16_224", _SMALL),
     "relpos, class token, token pool": ("vit_relpos_base_patch16_cls_224", _SMALL),
     "relpos, res-post blocks": ("vit_relpos_medium_patch16_rpn_224", _SMALL),

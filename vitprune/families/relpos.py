@@ -49,15 +49,17 @@ def token_index(positions: torch.Tensor, num_prefix: int, length: int) -> torch.
 
 
 def full_bias(attn: torch.nn.Module, shared: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The bias timm's attention adds, over the full grid: BEiT adds its own table and the
-    shared one; relpos uses its own when it has one, else the shared one."""
+    """The bias timm's attention adds, over the full grid, as ``(1, H, L, L)``: BEiT adds its
+    own table and the shared one (BEiT's shared table comes as ``(H, L, L)``); relpos uses its
+    own when it has one, else the shared one."""
+    bias: Optional[torch.Tensor]
     if isinstance(attn, BeitAttention):
         own = attn._get_rel_pos_bias() if attn.relative_position_bias_table is not None else None
-        if own is None:
-            return shared
-        return own if shared is None else own + shared
-    rel_pos: Any = attn.rel_pos  # timm's RelPosAttention: a RelPosMlp, RelPosBias or None
-    return rel_pos.get_bias() if rel_pos is not None else shared
+        bias = shared if own is None else own if shared is None else own + shared
+    else:
+        rel_pos: Any = attn.rel_pos  # timm's RelPosAttention: a RelPosMlp, RelPosBias or None
+        bias = rel_pos.get_bias() if rel_pos is not None else shared
+    return bias if bias is None or bias.dim() == 4 else bias.reshape(1, *bias.shape[-3:])
 
 
 class _BiasBlock(PruningBlock):
