@@ -127,6 +127,21 @@ def assert_same(before, after):
     assert before["params"] == after["params"]
 
 
+def make_visible(model: torch.nn.Module, suffixes: Tuple[str, ...]) -> torch.nn.Module:
+    """``model`` with the parameters named by ``suffixes`` (biases, layer scales, relative
+    position tables: timm starts many at or near zero) and the head's weight redrawn at a
+    visible scale, so a term a forward leaves out moves the logits by far more than a test's
+    tolerance (timm's rope ViTs start with logits near 1e-3). Returns ``model``."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(suffixes):
+                parameter.normal_(0, 0.5)
+        head = getattr(model, "head", None)
+        if isinstance(head, torch.nn.Linear):
+            head.weight.normal_(0, head.in_features ** -0.5)
+    return model
+
+
 def assert_class_only_exact(model, x, fused, atol):
     """With nothing reduced, ``class_only_last=True`` gives the unpatched model's logits, with
     fused or explicit attention (``fused``), and a direct ``forward_features`` still computes

@@ -1,22 +1,28 @@
-"""``class_only_last`` on timm's ``Eva`` (rope ViTs whose head reads the class token alone): the
-last block computes the prefix tokens alone, their keys rotated by the current tokens' own
-rope rows. Its logits must be the unpatched model's when nothing is reduced and the same
-patch's without it otherwise, and the FLOPs must be what fvcore counts."""
+"""``class_only_last`` on timm's ``Eva`` (rope ViTs) and relative-position models
+(``VisionTransformerRelPos``, ``Beit``) whose head reads the class token alone: the last block
+computes the prefix tokens alone, their keys rotated by the current tokens' own rope rows, or
+their queries given their rows of the relative bias among the current tokens. Its logits must
+be the unpatched model's when nothing is reduced and the same patch's without it otherwise,
+and the FLOPs must be what fvcore counts."""
 
 import copy
 
 import pytest
 import torch
 from timm.layers import AttentionRope
+from timm.models.vision_transformer_relpos import RelPosAttention
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, assert_class_only_exact, assert_same, available, snapshot
+from conftest import PAPER, assert_class_only_exact, assert_same, available, make_visible, snapshot
+from vitprune.families.relpos import follow_bias
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
 _SMALL = dict(img_size=64, depth=4)
+_TOKEN = dict(_SMALL, class_token=True, global_pool="token")
 
-#: Eva models with token pooling, one per attention kind, rope layout, prefix and block layout.
+#: Models with token pooling: Eva, one per attention kind, rope layout, prefix and block layout;
+#: relative-position models, one per bias source and block layout.
 MODELS = {
     "AttentionRope, fused qkv": ("vit_small_patch16_rope_224", _SMALL),
     "mixed rope (per-head tables)": ("vit_small_patch16_rope_mixed_224", _SMALL),
@@ -26,18 +32,22 @@ MODELS = {
     "grouped key/value heads in the last block": ("vit_base_patch16_sapiens2", dict(_SMALL, num_kv_heads=(12, 6, 6, 6))),
     "registers": ("vit_small_patch16_dinov3", dict(_SMALL, global_pool="token")),
     "EvaBlockPostNorm": ("vit_small_patch16_rope_224", dict(_SMALL, use_post_norm=True)),
+    "relpos MLP bias (vit_relpos_*_cls)": ("vit_relpos_medium_patch16_cls_224", _SMALL),
+    "ResPostRelPosBlock": ("vit_relpos_small_patch16_rpn_224", _TOKEN),
+    "shared relpos bias": ("vit_srelpos_small_patch16_224", _TOKEN),
+    "BEiT, own tables, q/v biases, layer scale": ("beit_base_patch16_224", dict(_SMALL, global_pool="token")),
+    "BEiT, shared table": ("beit_base_patch16_224", dict(_SMALL, global_pool="token", use_rel_pos_bias=False,
+                                                         use_shared_rel_pos_bias=True)),
 }
+
+#: Parameters timm starts at or near zero, redrawn so that one left out shows.
+_VISIBLE = ("q_bias", "k_bias", "v_bias", "gamma_1", "gamma_2", "ls1.gamma", "ls2.gamma", "relative_position_bias_table")
 
 
 def build(kind):
     name, arguments = MODELS[kind]
     torch.manual_seed(0)
-    model = available(name, **arguments).eval()
-    with torch.no_grad():  # visible attention biases and layer scales, so a misplaced one shows
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith(("q_bias", "k_bias", "v_bias", "gamma_1", "gamma_2")):
-                parameter.normal_(0, 0.5)
-    return model
+    return make_visible(available(name, **arguments).eval(), _VISIBLE)
 
 
 def images(model, batch=2, seed=1):
@@ -68,7 +78,8 @@ def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
 
 
 @pytest.mark.parametrize("kind", ["AttentionRope, fused qkv", "EvaAttention, separate q/k/v",
-                                  "grouped key/value heads in the last block"])
+                                  "grouped key/value heads in the last block", "relpos MLP bias (vit_relpos_*_cls)",
+                                  "BEiT, own tables, q/v biases, layer scale"])
 def test_the_default_turns_it_on_and_fvcore_counts_what_the_formula_says(kind):
     model = vitprune.patch(build(kind), keep_rate=0.5)
     assert vitprune.get_config(model).class_only_last
@@ -92,18 +103,24 @@ class _SubclassedAttentionRope(AttentionRope):
     """timm's AttentionRope under another name: its forward could differ, so it is refused."""
 
 
-def test_a_last_attention_of_another_class_is_named_in_the_refusal():
-    model = build("AttentionRope, fused qkv")
-    last = model.blocks[-1].attn
-    replaced = _SubclassedAttentionRope(last.qkv.in_features, num_heads=last.num_heads, qkv_bias=True,
-                                        num_prefix_tokens=last.num_prefix_tokens)
-    replaced.load_state_dict(last.state_dict())
-    model.blocks[-1].attn = replaced.eval()
+class _SubclassedRelPosAttention(RelPosAttention):
+    """timm's RelPosAttention under another name, likewise."""
+
+
+@pytest.mark.parametrize("kind, subclass, accepted", [
+    ("AttentionRope, fused qkv", _SubclassedAttentionRope,
+     "timm's EvaAttention or AttentionRope with a fused qkv Linear or separate projections"),
+    ("relpos MLP bias (vit_relpos_*_cls)", _SubclassedRelPosAttention,
+     "BEiT's Attention or timm's RelPosAttention with a fused qkv Linear"),
+])
+def test_a_last_attention_of_another_class_is_named_in_the_refusal(kind, subclass, accepted):
+    model = build(kind)
+    model.blocks[-1].attn.__class__ = subclass  # the same module and weights, another class
     before = snapshot(model)
     with pytest.raises(TypeError, match="class_only_last=True cannot apply") as caught:
         vitprune.patch(model, class_only_last=True)
-    assert ("the last block's attention must be timm's EvaAttention or AttentionRope with a fused qkv Linear or "
-            "separate projections, but it has a _SubclassedAttentionRope") in str(caught.value)
+    assert (f"the last block's attention must be {accepted}, but it has a {subclass.__name__}"
+            in str(caught.value))
     assert_same(before, snapshot(model))
 
 
@@ -129,3 +146,22 @@ def test_a_fused_qkv_that_is_not_a_linear_keeps_the_whole_last_block():
     vitprune.patch(model, keep_rate=0.5)  # the default: off here
     assert not vitprune.get_config(model).class_only_last
     assert_close(logits(model, x), expected, rtol=0, atol=0)
+
+
+def test_the_prefix_rows_of_the_followed_bias_are_the_first_rows_of_the_whole():
+    bias = torch.arange(2 * 5 * 5, dtype=torch.float32).reshape(1, 2, 5, 5)
+    tokens = torch.tensor([[0, 3, 5, 1], [0, 2, 4, 5]])  # 5: a fusion token
+    whole = follow_bias(bias, tokens)
+    assert_close(follow_bias(bias, tokens, queries=1), whole[:, :, :1], rtol=0, atol=0)
+    # by hand: image 0, head 1, the class token's row over tokens 0, 3, fusion, 1
+    assert follow_bias(bias, tokens, queries=1)[0, 1, 0].tolist() == [25.0, 28.0, 0.0, 26.0]
+
+
+@pytest.mark.parametrize("name", ["vit_relpos_base_patch16_clsgap_224", "beit_base_patch16_224"])
+def test_a_head_that_averages_the_patches_keeps_the_whole_last_block(name):
+    torch.manual_seed(0)
+    model = available(name, **_SMALL).eval()
+    vitprune.patch(model, keep_rate=0.5)
+    assert not vitprune.get_config(model).class_only_last
+    with pytest.raises(TypeError, match="global_pool='avg'"):
+        vitprune.patch(vitprune.unpatch(model), class_only_last=True)
