@@ -144,19 +144,27 @@ def split_heads(y: torch.Tensor, heads: int) -> torch.Tensor:
     return y.reshape(*y.shape[:-1], heads, y.shape[-1] // heads)
 
 
+def own_qkv_bias(attn: AttentionModule) -> Optional[torch.Tensor]:
+    """EVA's and BEiT's bias of a fused ``qkv`` kept beside it (``q_bias``, ``k_bias``,
+    ``v_bias`` joined, as timm joins them), or ``None`` where the module has none."""
+    if member(attn, "q_bias") is None:
+        return None
+    return torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+
+
 def project_qkv(attn: AttentionModule, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``q, k, v`` as ``(B, heads, N, d)`` through the module's own projections: a fused
     ``qkv`` (with EVA/BEiT's separate ``q_bias``/``k_bias``/``v_bias`` when present), or
     separate ``q_proj``/``k_proj``/``v_proj`` (grouped key/value heads allowed)."""
     B, N, _ = x.shape
     if attn.qkv is not None:
-        bias = member(attn, "q_bias")
+        bias = own_qkv_bias(attn)
         if bias is None:
             qkv = attn.qkv(x)
-        elif attn.qkv_bias_separate:
-            qkv = attn.qkv(x) + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+        elif attn.qkv_bias_separate:  # timm adds the bias after the product
+            qkv = attn.qkv(x) + bias
         else:
-            qkv = F.linear(x, weight=attn.qkv.weight, bias=torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
+            qkv = F.linear(x, weight=attn.qkv.weight, bias=bias)
         head_dim = qkv.shape[-1] // (3 * attn.num_heads)  # not -1: an empty batch reshapes too
         return qkv.reshape(B, N, 3, attn.num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     kv_heads = member(attn, "num_kv_heads", attn.num_heads)
@@ -274,9 +282,11 @@ def project_prefix_qkv(attn: AttentionModule, x: torch.Tensor, num_prefix: int
         q = split_heads(attn.q_proj(prefix), attn.num_heads).transpose(1, 2)
         k = split_heads(attn.k_proj(x), kv_heads).transpose(1, 2)
         return q, k, split_heads(attn.v_proj(x), kv_heads).transpose(1, 2)
-    weight, bias, separate = attn.qkv.weight, attn.qkv.bias, False
-    if member(attn, "q_bias") is not None:
-        bias, separate = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)), attn.qkv_bias_separate
+    weight, bias, separate = attn.qkv.weight, own_qkv_bias(attn), False
+    if bias is None:
+        bias = attn.qkv.bias
+    else:
+        separate = attn.qkv_bias_separate
     width = weight.shape[0] // 3
     if separate:  # timm adds the bias after the product
         q = F.linear(prefix, weight[:width]) + bias[:width]
