@@ -21,6 +21,22 @@ def test_a_patchable_model_passes_every_check():
     assert timm_sweep.passed(record, tolerance=1e-4) is True
 
 
+def test_a_variant_is_built_with_its_options_and_named_by_them():
+    options = dict(use_shared_rel_pos_bias=True, use_rel_pos_bias=False)  # failed after a stage until stop 50
+    record = timm_sweep.check("beit_base_patch16_224", depth=2, fvcore_max_width=0, options=options)
+    assert record["name"] == "beit_base_patch16_224(use_shared_rel_pos_bias=True, use_rel_pos_bias=False)"
+    assert record["class"] == "Beit" and timm_sweep.passed(record, tolerance=1e-4) is True
+    text = timm_sweep.summary([record], ["beit"], "cmd", 1e-4, unit="variants (one constructor option each)")
+    assert text.startswith("# timm ViT variants through vitprune") and "**1 variants (one constructor" in text
+
+
+def test_every_variant_names_a_model_of_the_swept_modules():
+    for name, options in timm_sweep.VARIANTS.items():
+        if timm.is_model(name):  # older timm releases lack some
+            assert timm.models._registry._model_to_module[name] in timm_sweep.MODULES
+        assert options and all(options), name
+
+
 def test_a_refused_model_is_recorded_untouched_with_its_reason():
     record = timm_sweep.check("samvit_base_patch16_224", depth=1, fvcore_max_width=0)
     assert record["refused"].startswith("TypeError: vitprune cannot patch")
