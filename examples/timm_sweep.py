@@ -19,7 +19,7 @@ With ``--variants`` it sweeps :data:`VARIANTS` instead: a few models, each built
 constructor option at a time away from timm's defaults (registers, pooling, norms, rope and
 relative-bias settings), which no model name builds.
 
-    python examples/timm_sweep.py --variants --out /tmp/timm_variants.md
+    python examples/timm_sweep.py --variants --out docs/timm_variants.md
 
 Writes one JSON line per model to ``--jsonl`` and a summary table to ``--out``.
 """
@@ -236,8 +236,9 @@ def main() -> None:
     if args.out is not None:
         command = " ".join(["python examples/timm_sweep.py", *sys.argv[1:]])
         unit = "variants (one constructor option each)" if args.variants else "model names"
-        modules = [m for m in args.modules if any(_registry._model_to_module.get(n) == m for n in wanted)]
-        text = summary(records, modules if args.variants else args.modules, command, args.tolerance, unit)
+        modules = ([m for m in args.modules if any(_registry._model_to_module.get(n) == m for n in wanted)]
+                   if args.variants else args.modules)  # variants: only the modules of the models swept
+        text = summary(records, modules, command, args.tolerance, unit)
         if args.variants:  # the names say which option each one changed
             text += "\n## Variants\n\n" + "".join(f"- `{r['name']}`\n" for r in records)
         args.out.write_text(text)

@@ -56,8 +56,8 @@ def grid_patches(model: nn.Module, stride: Optional[int]) -> int:
 
 
 def no_class_only(model: nn.Module) -> Optional[str]:
-    return ("vitprune implements it for timm's VisionTransformer, VisionTransformerDistilled and Eva and for "
-            "transformers' ViT and DeiT classifiers only")
+    return ("vitprune implements it for timm's VisionTransformer, VisionTransformerDistilled, Eva, Beit and "
+            "VisionTransformerRelPos and for transformers' ViT and DeiT classifiers only")
 
 
 def no_extras(model: nn.Module) -> "list[nn.Module]":

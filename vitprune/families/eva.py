@@ -71,7 +71,7 @@ class _EvaBlock(PruningBlock):
         bias, positions = self._vitprune_begin(x), self._vitprune_positions()
         if rope is not None and positions is not None:
             rope = follow_rope(rope, positions)
-        if self.vitprune_class_only and self.vitprune_state.head_only:
+        if self._vitprune_prefix_only():
             return self._vitprune_prefix_forward(x, (bias, rope))
         if self.vitprune_stage is None:
             return super().forward(x, rope=rope, attn_mask=bias)  # the timm block's own forward

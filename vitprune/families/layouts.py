@@ -63,6 +63,11 @@ class PruningBlock:
             return x
         return self.vitprune_state.prune(x, scored, self.vitprune_stage)
 
+    def _vitprune_prefix_only(self) -> bool:
+        """Whether this call computes the prefix tokens alone: the last block with
+        ``class_only_last``, in a forward whose head reads them alone (``PruneState.head_only``)."""
+        return self.vitprune_class_only and self.vitprune_state.head_only
+
     def _vitprune_positions(self) -> Optional[torch.Tensor]:
         """``(B, n)`` original patch index of each incoming non-prefix token (``-1``: fusion),
         or ``None`` before the first stage."""

@@ -22,7 +22,7 @@ Changed methods, which differ from timm's only while a forward pruned something:
   returns the tokens themselves.
 
 ``timm_class_only_reason`` says whether a timm model's head reads the prefix tokens alone
-and its last block can compute them alone (``Family.class_only`` of the ViT and Eva families).
+and its last block can compute them alone (``Family.class_only`` of the ViT, Eva and relative-position families).
 """
 
 from __future__ import annotations

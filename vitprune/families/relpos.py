@@ -95,7 +95,7 @@ class _BiasBlock(PruningBlock):
         return prefix_attention(self.attn, tokens, P, self._vitprune_bias(tokens, shared, P))
 
     def _vitprune_run(self, x: torch.Tensor, shared: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.vitprune_class_only and self.vitprune_state.head_only:
+        if self._vitprune_prefix_only():
             return self._vitprune_prefix_forward(x, shared)
         return self._vitprune_forward(x, shared)
 

@@ -40,7 +40,7 @@ class _ViTBlock(PruningBlock):
                 is_causal: bool = False) -> torch.Tensor:
         refuse_masks(attn_mask, is_causal)
         bias = self._vitprune_begin(x)
-        if self.vitprune_class_only and self.vitprune_state.head_only:
+        if self._vitprune_prefix_only():
             return self._vitprune_prefix_forward(x, bias)
         if self.vitprune_stage is None:
             return super().forward(x, attn_mask=bias)  # the timm block's own forward
