@@ -15,7 +15,7 @@ from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, assert_class_only_exact, assert_same, snapshot
+from conftest import PAPER, assert_class_only_exact, assert_same, make_visible, snapshot
 from vitprune.measure.baseline import fit_merging
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
@@ -36,11 +36,7 @@ def build(kind, **extra):
     torch.manual_seed(0)
     model = timm.create_model(name, img_size=32, patch_size=8, depth=4, embed_dim=48, num_heads=3,
                               **options, **extra).eval()
-    with torch.no_grad():  # timm starts biases at zero: visible ones, so a query bias left out shows
-        for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith("qkv.bias"):
-                parameter.normal_(0, 0.5)
-    return model
+    return make_visible(model, ("qkv.bias",))  # timm starts them at zero: a query bias left out shows
 
 
 def images(batch=3, seed=1):
