@@ -194,6 +194,7 @@ def test_count_flops_names_what_it_needs():
         vitprune.count_flops(nn.Linear(2, 2))
 
 
+@pytest.mark.filterwarnings("ignore:.torch.jit.script. is deprecated:FutureWarning")  # torch 2.14.1 and 2.15.0 warn
 def test_scripting_a_patched_model_says_it_is_not_supported():
     model = vitprune.patch(tiny(), keep_rate=0.5)
     with pytest.raises(TypeError, match="cannot be compiled by torch.jit.script.*torch.compile"):
