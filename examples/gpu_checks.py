@@ -12,7 +12,7 @@ the defaults' gradients with and without gradient checkpointing; a batch of deit
 against each image alone (float64); and the nothing-pruned difference for ``transformers``
 ViT and SigLIP (eager and sdpa) when it is installed. Last, repeatability: how far two
 calls on the same images differ for the defaults, the paper's method, dropping and token
-merging (bf16 weights, batch 64), plainly and under ``torch.use_deterministic_algorithms``,
+merging (bf16 weights, batch 64; 2 off CUDA), plainly and under ``torch.use_deterministic_algorithms``,
 where each must repeat bit for bit and train (merging sums tokens with ``index_add_``, whose
 CUDA kernel adds atomically in no fixed order), and what that mode costs in time (11
 interleaved rounds, median). Prints one line per check; exits non-zero if
@@ -27,6 +27,7 @@ import argparse
 import copy
 import os
 import sys
+from typing import Optional
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for determinism
 import timm  # noqa: E402
@@ -134,11 +135,13 @@ def per_image_check(device: torch.device) -> bool:
     return ok
 
 
-def repeatability_check(device: torch.device, batch: int = 64) -> bool:
+def repeatability_check(device: torch.device, batch: Optional[int] = None) -> bool:
     """Two calls of deit_small (random bf16 weights) on the same images: the largest difference,
     plainly and under ``torch.use_deterministic_algorithms`` (which must be 0, with a training
     forward and backward that runs), for the defaults, the paper's method, dropping and token
-    merging at the defaults' FLOPs."""
+    merging at the defaults' FLOPs. ``batch``: 64 on CUDA, 2 elsewhere (a CPU run only checks
+    that the script runs, and a CPU without bfloat16 units takes minutes a setting at 8)."""
+    batch = batch or (64 if device.type == "cuda" else 2)
     torch.manual_seed(0)
     base = timm.create_model("deit_small_patch16_224").to(device, torch.bfloat16).eval()
     shared = graph_settings(base)  # the CUDA-graph script's, at keep 0.7
