@@ -161,7 +161,10 @@ def passed(record: Dict[str, Any], tolerance: float) -> Optional[bool]:
 
 
 def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tolerance: float,
-            unit: str = "model names") -> str:
+            variants: bool = False) -> str:
+    """The markdown summary; with ``variants`` records of :data:`VARIANTS` (titled and counted
+    as such, and listed by name: the names say which option each one changed)."""
+    unit = "variants (one constructor option each)" if variants else "model names"
     patched = [r for r in records if "keep1_error" in r]
     refused = [r for r in records if "refused" in r]
     errors = [r for r in records if "error" in r]
@@ -170,7 +173,7 @@ def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tol
     ratios = [v for r in patched for v in flop_counts(r) if isinstance(v, float)]
     uncounted = sorted({r["name"] for r in patched for v in flop_counts(r) if isinstance(v, str)})
     lines = [
-        f"# {'Every timm ViT model name' if unit == 'model names' else 'timm ViT variants'} through vitprune", "",
+        f"# {'timm ViT variants' if variants else 'Every timm ViT model name'} through vitprune", "",
         f"Command: `{command}` (timm {timm.__version__}, torch {torch.__version__}, random weights, fp32, CPU).", "",
         f"- **{len(records)} {unit}** of timm's modules {', '.join(f'`{m}`' for m in modules)}.",
         f"- **{len(patched)} patched**; of those, {len(patched) - len(failed)} pass every check: keep 1.0 equal to "
@@ -201,6 +204,8 @@ def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tol
         reasons.setdefault(r["refused"].split(": ", 1)[-1].split("; supported:")[0], []).append(r["name"])
     lines += ["", "## Refused, by reason", ""] if reasons else []
     lines += [f"- {reason} ({len(names)}: {', '.join(f'`{n}`' for n in names)})" for reason, names in reasons.items()]
+    if variants:
+        lines += ["", "## Variants", ""] + [f"- `{r['name']}`" for r in records]
     return "\n".join(lines) + "\n"
 
 
@@ -235,13 +240,9 @@ def main() -> None:
             records.append(record)
     if args.out is not None:
         command = " ".join(["python examples/timm_sweep.py", *sys.argv[1:]])
-        unit = "variants (one constructor option each)" if args.variants else "model names"
         modules = ([m for m in args.modules if any(_registry._model_to_module.get(n) == m for n in wanted)]
                    if args.variants else args.modules)  # variants: only the modules of the models swept
-        text = summary(records, modules, command, args.tolerance, unit)
-        if args.variants:  # the names say which option each one changed
-            text += "\n## Variants\n\n" + "".join(f"- `{r['name']}`\n" for r in records)
-        args.out.write_text(text)
+        args.out.write_text(summary(records, modules, command, args.tolerance, args.variants))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_a_variant_is_built_with_its_options_and_named_by_them():
     record = timm_sweep.check("beit_base_patch16_224", depth=2, fvcore_max_width=0, options=options)
     assert record["name"] == "beit_base_patch16_224(use_shared_rel_pos_bias=True, use_rel_pos_bias=False)"
     assert record["class"] == "Beit" and timm_sweep.passed(record, tolerance=1e-4) is True
-    text = timm_sweep.summary([record], ["beit"], "cmd", 1e-4, unit="variants (one constructor option each)")
+    text = timm_sweep.summary([record], ["beit"], "cmd", 1e-4, variants=True)
     assert text.startswith("# timm ViT variants through vitprune") and "**1 variants (one constructor" in text
 
 
