@@ -73,6 +73,22 @@ def test_nothing_pruned_equals_the_unpatched_model(name, attn_implementation):
     torch.testing.assert_close(got, expected, **({} if attn_implementation == "sdpa" else dict(rtol=1e-5, atol=1e-6)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_nothing_reduced_rounds_as_transformers_in_every_dtype(name, attn_implementation, dtype):
+    """Every layer through vitprune's path, nothing reduced, every token through the last one:
+    bit for bit the model's own output, because the path rounds as transformers' code does
+    (the scale on the products, not the queries; ViT, DeiT, CLIP and SigLIP's eager softmax in
+    float32; SDPA handed the model's scale, which is not SDPA's own at this head width)."""
+    model, x = build(name, attn_implementation).to(dtype), images().to(dtype)
+    with torch.no_grad():
+        expected = main_output(model(pixel_values=x))
+        vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+        got = main_output(model(pixel_values=x))
+    assert torch.equal(got, expected), (got - expected).abs().max().item()
+
+
 @pytest.mark.parametrize("options", [dict(keep_rate=0.7), dict(indicator="var", keep_rate=0.7, stages=(1, 2),
                                                                 selection="top", reduction="fuse", size_aware=False)],
                          ids=["defaults", "paper"])

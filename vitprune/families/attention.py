@@ -9,7 +9,7 @@ needs the matrix, so pruning blocks of such models run timm's explicit attention
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Tuple
+from typing import Any, Literal, Optional, Protocol, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +91,8 @@ def attend(
         num_prefix: int,
         source: str,
         bias: Optional[torch.Tensor] = None,
+        follow: Literal["timm", "transformers"] = "timm",
+        softmax_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, Scored]:
     """Multi-head attention as timm computes it, and what the reduction step needs.
 
@@ -104,18 +106,27 @@ def attend(
         source: One of :data:`ROW_SOURCES`.
         bias: Additive attention bias broadcastable to ``(B, H, L, L)`` (relative position,
             token sizes), or ``None``.
+        follow: Whose code the rounding follows, so that nothing reduced gives the model's
+            own output bit for bit: ``"timm"`` scales the queries before the explicit product
+            and leaves the fused one its default scale; ``"transformers"`` scales the
+            products and hands the fused one its scale.
+        softmax_dtype: The explicit path's softmax runs in this dtype and returns to the
+            queries' (``None``: in theirs; ``transformers``' ViT, DeiT, CLIP and SigLIP use
+            float32).
 
     Returns:
         The attention output ``(B, H, L, d)``, and the row ``(B, H, L - num_prefix)`` in
         float32 (``None`` for ``source="none"``) with the keys.
     """
+    dropout_p = attn_drop.p if attn_drop.training else 0.0
+    sdpa_scale = scale if follow == "transformers" else None
     if source == "none" and fused:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias,
-                                             dropout_p=attn_drop.p if attn_drop.training else 0.0)
-        return out, Scored(None, k)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=sdpa_scale), \
+            Scored(None, k)
     if source != "cls" or not fused:
-        logits = (q * scale) @ k.transpose(-2, -1)
-        weights = (logits if bias is None else logits + bias).softmax(dim=-1)
+        logits = (q * scale) @ k.transpose(-2, -1) if follow == "timm" else (q @ k.transpose(-2, -1)) * scale
+        logits = logits if bias is None else logits + bias
+        weights = logits.softmax(dim=-1) if softmax_dtype is None else logits.softmax(-1, dtype=softmax_dtype).to(q.dtype)
         if source == "none":
             row = None
         elif source == "mean":
@@ -124,7 +135,7 @@ def attend(
             row = class_attention_row(q, k, scale, num_prefix, bias)
         return attn_drop(weights) @ v, Scored(row, k)
     row = class_attention_row(q, k, scale, num_prefix, bias)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=attn_drop.p if attn_drop.training else 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=sdpa_scale)
     return out, Scored(row, k)
 
 

@@ -63,6 +63,11 @@ def _num_heads(attn: AttentionModule) -> int:
     return member(attn, "num_attention_heads") or attn.num_heads
 
 
+#: Attention classes whose eager ``transformers`` code computes the softmax in float32 (and
+#: returns to the model's dtype); DINOv2's computes it in the model's dtype.
+_FLOAT32_SOFTMAX = (ViTAttention, DeiTAttention, CLIPAttention, SiglipAttention)
+
+
 def _attend(attn: AttentionModule, queries: torch.Tensor, x: torch.Tensor, num_prefix: int, source: str,
             bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
     """A ``transformers`` attention module (``q_proj``/``k_proj``/``v_proj`` and ``o_proj`` or
@@ -76,7 +81,8 @@ def _attend(attn: AttentionModule, queries: torch.Tensor, x: torch.Tensor, num_p
     p = attn.dropout if p is None else p
     fused = attn.config._attn_implementation != "eager"
     out, scored = attend(q, k, v, scale=scale, fused=fused, attn_drop=_Dropout(p, attn.training),
-                         num_prefix=num_prefix, source=source, bias=bias)
+                         num_prefix=num_prefix, source=source, bias=bias, follow="transformers",
+                         softmax_dtype=torch.float32 if isinstance(attn, _FLOAT32_SOFTMAX) else None)
     out = out.transpose(1, 2).flatten(2)
     project = member(attn, "o_proj") or attn.out_proj
     return project(out), scored
