@@ -51,11 +51,26 @@ def test_merge_copies_the_prefix_tokens_and_indexes_past_them_in_every_image():
     assert torch.equal(merged[:, 2:], alone)
 
 
-def test_merge_lets_gradients_reach_every_token():
+def test_merge_gradient_by_hand_when_two_tokens_join_one():
+    """Tokens 1 and 3 join kept token 2 (sizes 1, 1, 2, 1): its row is (2 x2 + x1 + x3) / 4, so the
+    sum's gradient is 1 for token 0, 1/2 for token 2 and 1/4 for tokens 1 and 3. (Until stop 52
+    the kept token's share was applied once per arrival on the way back: 1 for token 2.)"""
     tokens = torch.randn(1, 4, 3, requires_grad=True)
     matched = Matched(keep=torch.tensor([[0, 2]]), drop=torch.tensor([[1, 3]]), dest=torch.tensor([[1, 1]]))
-    merge_tokens(tokens, torch.ones(1, 4), matched)[0].sum().backward()
-    assert (tokens.grad.abs().sum(-1) > 0).all()
+    merged, _ = merge_tokens(tokens, torch.tensor([[1.0, 1.0, 2.0, 1.0]]), matched)
+    assert_close(merged[0, 1], (2 * tokens[0, 2] + tokens[0, 1] + tokens[0, 3]) / 4)
+    merged.sum().backward()
+    assert_close(tokens.grad, torch.tensor([1.0, 0.25, 0.5, 0.25]).view(1, 4, 1).expand(1, 4, 3))
+
+
+def test_merge_passes_gradcheck_with_a_prefix_and_shared_destinations():
+    """float64, two images, two prefix tokens, three removed tokens of one image joining one
+    kept token: autograd's gradient equals the numerical one."""
+    tokens = torch.randn(2, 2 + 6, 3, dtype=torch.float64, requires_grad=True)
+    sizes = torch.tensor([[1.0, 2.0, 1.0, 3.0, 1.0, 1.0], [2.0, 1.0, 1.0, 1.0, 4.0, 1.0]], dtype=torch.float64)
+    matched = Matched(keep=torch.tensor([[0, 2, 5], [1, 3, 4]]), drop=torch.tensor([[1, 3, 4], [0, 2, 5]]),
+                      dest=torch.tensor([[2, 2, 2], [0, 2, 0]]))
+    assert torch.autograd.gradcheck(lambda t: merge_tokens(t, sizes, matched, num_prefix=2)[0], (tokens,))
 
 
 def test_match_top_keeps_the_best_scores_and_sends_the_rest_to_their_closest_kept_token():

@@ -227,22 +227,23 @@ def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched,
     P, k = num_prefix, matched.keep.shape[1]
     kept_sizes, drop_sizes = sizes.gather(1, matched.keep), sizes.gather(1, matched.drop)
     new_sizes = kept_sizes.scatter_add(1, matched.dest, drop_sizes)
-    # Rows of the flattened batch: one selection copies the prefix and the kept tokens; then
-    # only the rows that receive tokens change: x_j s_j / S_j + sum_i x_i s_i / S_j (duplicate
-    # receiving rows write equal values), so the work beyond the copy grows with the removed.
+    # Rows of the flattened batch: one selection copies the prefix and the kept tokens; every
+    # kept token is scaled by its own share s_j / S_j (exactly 1 where nothing arrives), then
+    # each removed token times its share s_i / S_j is added to its row. Scaling the receiving
+    # rows alone, each once per token it receives, gave the same values but counted the kept
+    # token's gradient once per arrival (until stop 52).
     image = torch.arange(B, device=tokens.device).unsqueeze(1)
     source = matched.keep + P
     if P:
         source = torch.cat([torch.arange(P, device=tokens.device).expand(B, P), source], dim=1)
     flat = tokens.reshape(B * L, C)
-    out = flat.index_select(0, (source + image * L).reshape(-1))
+    out = flat.index_select(0, (source + image * L).reshape(-1)).view(B, P + k, C)
+    out[:, P:].mul_(_as(kept_sizes / new_sizes, tokens.dtype).unsqueeze(-1))
     rows = (matched.dest + (image * (P + k) + P)).reshape(-1)
-    receiving = new_sizes.gather(1, matched.dest)
-    kept_share = (kept_sizes.gather(1, matched.dest) / receiving).reshape(-1, 1).to(tokens.dtype)
-    out.index_copy_(0, rows, out.index_select(0, rows) * kept_share)
-    removed_share = (drop_sizes / receiving).reshape(-1, 1).to(tokens.dtype)
-    out.index_add_(0, rows, flat.index_select(0, (matched.drop + (image * L + P)).reshape(-1)) * removed_share)
-    return out.view(B, P + k, C), new_sizes
+    removed_share = _as(drop_sizes / new_sizes.gather(1, matched.dest), tokens.dtype).reshape(-1, 1)
+    out.view(B * (P + k), C).index_add_(0, rows, flat.index_select(0, (matched.drop + (image * L + P)).reshape(-1))
+                                        * removed_share)
+    return out, new_sizes
 
 
 class Merged(NamedTuple):
