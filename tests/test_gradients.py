@@ -60,3 +60,28 @@ def test_gradients_equal_finite_differences(name, options):
     vitprune.patch(model, **options)
     x = torch.randn(2, 3, *model.patch_embed.img_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert max(directional_errors(model, x)) < 1e-6
+
+
+@pytest.mark.parametrize("options", [CASES["top, merge"], CASES["redundant, fuse"], CASES["bipartite rounds, merge"]],
+                         ids=["top, merge", "redundant, fuse", "bipartite rounds, merge"])
+@pytest.mark.parametrize("name", ["DeiTForImageClassificationWithTeacher", "SiglipVisionModel (attention-pool head)"])
+def test_transformers_gradients_equal_finite_differences(name, options):
+    """The same through a ``transformers`` layer (SDPA: their eager softmax runs in float32,
+    whose rounding the quotient would read as an error)."""
+    from conftest import require_transformers
+    require_transformers()
+    from test_transformers import build as build_hf, images, main_output
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return main_output(self.model(pixel_values=x))
+
+    options = dict(options, T=math.inf)
+    if options.get("selection") in ("top", "redundant"):
+        options["indicator"] = "cls"
+    model = vitprune.patch(build_hf(name, "sdpa").double(), **options)
+    assert max(directional_errors(Logits(model), images(2).double())) < 1e-6

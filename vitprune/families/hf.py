@@ -64,7 +64,8 @@ def _num_heads(attn: AttentionModule) -> int:
 
 
 #: Attention classes whose eager ``transformers`` code computes the softmax in float32 (and
-#: returns to the model's dtype); DINOv2's computes it in the model's dtype.
+#: returns to the model's dtype); DINOv2's computes it in the model's dtype. Under SDPA the
+#: explicit product that scoring by mean received attention needs keeps the model's dtype.
 _FLOAT32_SOFTMAX = (ViTAttention, DeiTAttention, CLIPAttention, SiglipAttention)
 
 
@@ -82,7 +83,7 @@ def _attend(attn: AttentionModule, queries: torch.Tensor, x: torch.Tensor, num_p
     fused = attn.config._attn_implementation != "eager"
     out, scored = attend(q, k, v, scale=scale, fused=fused, attn_drop=_Dropout(p, attn.training),
                          num_prefix=num_prefix, source=source, bias=bias, follow="transformers",
-                         softmax_dtype=torch.float32 if isinstance(attn, _FLOAT32_SOFTMAX) else None)
+                         softmax_dtype=torch.float32 if not fused and isinstance(attn, _FLOAT32_SOFTMAX) else None)
     out = out.transpose(1, 2).flatten(2)
     project = member(attn, "o_proj") or attn.out_proj
     return project(out), scored
