@@ -5,6 +5,8 @@ class token score the mean attention each patch receives; their pruning blocks u
 explicit attention path, so they match the fused unpatched model to float tolerance.
 """
 
+import copy
+
 import pytest
 import timm
 import torch
@@ -32,6 +34,33 @@ def test_nothing_pruned_equals_unpatched_in_every_family(name, indicator):
         got = model(x)
     assert_unpruned_close(model, got, expected)
     assert vitprune.get_config(model).stages == all_blocks(model)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_training_step_with_dropout_is_timms_when_nothing_is_reduced(name, fused):
+    """Dropout, attention dropout and drop path on, the same seed: at keep 1.0 in every block
+    (every token through the last) the patch draws timm's masks in timm's order, so the
+    training forward and every gradient are timm's bit for bit (float64)."""
+    model = build(name, drop_path_rate=0.2, attn_drop_rate=0.2, proj_drop_rate=0.2, drop_rate=0.2).double().train()
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = fused
+    x = images(model).double()
+
+    def step(model, seed=7):
+        torch.manual_seed(seed)
+        out = model(x)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, expected_grads = step(copy.deepcopy(model))
+    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
+    vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+    got, grads = step(model)
+    assert torch.equal(got, expected)
+    assert grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

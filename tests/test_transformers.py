@@ -89,6 +89,37 @@ def test_nothing_reduced_rounds_as_transformers_in_every_dtype(name, attn_implem
     assert torch.equal(got, expected), (got - expected).abs().max().item()
 
 
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_a_training_step_with_dropout_is_transformers_when_nothing_is_reduced(name, attn_implementation):
+    """Every dropout the config has (attention, hidden, drop path) at 0.2, the same seed: at keep
+    1.0 in every layer (every token through the last) the patch draws the model's masks in its
+    order, so the training forward and every gradient are the model's bit for bit (float64)."""
+    make_config, cls, _ = MODELS[name]
+    config = make_config()
+    for key in ("attention_probs_dropout_prob", "hidden_dropout_prob", "attention_dropout", "dropout",
+                "drop_path_rate"):
+        if hasattr(config, key):
+            setattr(config, key, 0.2)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(0)
+    model, x = cls(config).double().train(), images().double()
+
+    def step(model, seed=7):
+        torch.manual_seed(seed)
+        out = main_output(model(pixel_values=x))
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, expected_grads = step(copy.deepcopy(model))
+    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
+    vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+    got, grads = step(model)
+    assert torch.equal(got, expected)
+    assert grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
 @pytest.mark.parametrize("options", [dict(keep_rate=0.7), dict(indicator="var", keep_rate=0.7, stages=(1, 2),
                                                                 selection="top", reduction="fuse", size_aware=False)],
                          ids=["defaults", "paper"])
