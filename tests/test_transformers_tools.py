@@ -305,6 +305,34 @@ def test_torch_export_and_compile_reproduce_eager(name, backend):
 
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [dict(keep_rate=0.6), dict(indicator="var", keep_rate=0.6, stages=(1, 2),
+                                                                selection="top", reduction="fuse", size_aware=False)],
+                         ids=["defaults", "paper"])
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "SiglipVisionModel"])
+def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, name, options):
+    """The exported graph of a patched model (its main output) run by onnxruntime."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+
+    class MainOutput(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            outputs = self.model(pixel_values=x)
+            return outputs.logits if name.endswith("Classification") else outputs.pooler_output
+
+    model, x = MainOutput(vitprune.patch(build(name), **options)).eval(), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    torch.onnx.export(model, (x,), str(tmp_path / "pruned.onnx"), dynamo=True, verbose=False)
+    session = ort.InferenceSession(str(tmp_path / "pruned.onnx"))
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    assert abs(got - expected).max() < 1e-4
+
+
 @pytest.mark.parametrize("pretrained", [True, False])
 def test_a_full_clip_checkpoint_loads_as_its_vision_tower(tmp_path, pretrained):
     from vitprune.data.hf_models import load_transformers_model
