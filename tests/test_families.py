@@ -195,6 +195,22 @@ def test_parallel_scaling_block_prunes_after_the_whole_block():
     torch.testing.assert_close(out[:, 1:9], full[:, 1:].gather(1, keep[..., None].expand(-1, -1, 192)))
 
 
+@pytest.mark.parametrize("name", ["ParallelScalingBlock, no qkv bias", "ParallelScalingBlock, RmsNorm, qk-norm (xp)"])
+def test_parallel_scaling_block_adds_a_trained_mlp_bias_as_the_installed_timm_does(name):
+    """Without qkv biases the block trains an MLP bias, zero at first (so the equivalence tests
+    cannot see where it goes). timm 1.0.25 adds it to the MLP's outputs; earlier releases add
+    cat((zeros, mlp_bias)) to every output of the fused projection, whose MLP part comes first.
+    The patch follows the installed timm either way."""
+    model = build(name)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp_bias.normal_()
+        x = images(model)
+        expected = model(x)
+        vitprune.patch(model, keep_rate=1.0, stages=all_blocks(model), class_only_last=False)
+        torch.testing.assert_close(model(x), expected)
+
+
 def test_parallel_things_block_scores_the_heads_of_every_branch():
     model = vitprune.patch(build("ParallelThingsBlock"), keep_rate=0.5, **paper(stages=(0,)))
     rows = []

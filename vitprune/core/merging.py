@@ -228,10 +228,10 @@ def merge_tokens(tokens: torch.Tensor, sizes: torch.Tensor, matched: Matched,
     kept_sizes, drop_sizes = sizes.gather(1, matched.keep), sizes.gather(1, matched.drop)
     new_sizes = kept_sizes.scatter_add(1, matched.dest, drop_sizes)
     # Rows of the flattened batch: one selection copies the prefix and the kept tokens; every
-    # kept token is scaled by its own share s_j / S_j (exactly 1 where nothing arrives), then
-    # each removed token times its share s_i / S_j is added to its row. Scaling the receiving
-    # rows alone, each once per token it receives, gave the same values but counted the kept
-    # token's gradient once per arrival (until stop 52).
+    # kept token is scaled once by its own share s_j / S_j (exactly 1 where nothing arrives),
+    # then each removed token times its share s_i / S_j is added to its row. (Scaling a
+    # receiving row once per token it receives writes the same values but sends the kept
+    # token that many times its gradient.)
     image = torch.arange(B, device=tokens.device).unsqueeze(1)
     source = matched.keep + P
     if P:

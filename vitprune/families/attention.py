@@ -126,7 +126,10 @@ def attend(
     if source != "cls" or not fused:
         logits = (q * scale) @ k.transpose(-2, -1) if follow == "timm" else (q @ k.transpose(-2, -1)) * scale
         logits = logits if bias is None else logits + bias
-        weights = logits.softmax(dim=-1) if softmax_dtype is None else logits.softmax(-1, dtype=softmax_dtype).to(q.dtype)
+        if softmax_dtype is None:
+            weights = logits.softmax(dim=-1)
+        else:
+            weights = logits.softmax(dim=-1, dtype=softmax_dtype).to(q.dtype)
         if source == "none":
             row = None
         elif source == "mean":
@@ -254,10 +257,17 @@ def parallel_scaling_with_row(
     """``block(x)`` for timm's ``ParallelScalingBlock`` (attention and MLP side by side),
     through its own submodules, and the row the indicators score."""
     B, L, C = x.shape
-    y = block.in_proj(block.in_norm(x))
-    x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
-    if block.mlp_bias is not None:
-        x_mlp = x_mlp + block.mlp_bias
+    zeros = getattr(block, "qkv_bias", None)
+    if block.mlp_bias is not None and zeros is not None:
+        # timm before 1.0.25 hands in_proj the bias cat((qkv zeros, mlp_bias)) while its split
+        # puts the MLP first, so mlp_bias lands on other outputs: followed as it is
+        y = F.linear(block.in_norm(x), block.in_proj.weight, torch.cat((zeros, block.mlp_bias)))
+        x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
+    else:
+        y = block.in_proj(block.in_norm(x))
+        x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
+        if block.mlp_bias is not None:
+            x_mlp = x_mlp + block.mlp_bias
     q = block.q_norm(q.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
     k = block.k_norm(k.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
     v = v.view(B, L, block.num_heads, block.head_dim).transpose(1, 2)
