@@ -36,6 +36,23 @@ def test_nothing_pruned_equals_unpatched_in_every_family(name, indicator):
     assert vitprune.get_config(model).stages == all_blocks(model)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_nothing_reduced_equals_unpatched_with_every_parameter_moved_off_its_initial_value(name):
+    """timm starts many parameters at zero or one (biases, relative position tables, register
+    tokens, layer scales, the MLP bias of a block without qkv biases), where an equivalence
+    test cannot see whether the patch uses them as timm does. Every parameter moved by random
+    noise, float64: keep 1.0 in every block, every token through the last, equals timm."""
+    model = build(name).double()
+    with torch.no_grad():
+        for index, parameter in enumerate(model.parameters()):
+            noise = torch.randn(parameter.shape, dtype=parameter.dtype, generator=torch.Generator().manual_seed(index))
+            parameter.add_(0.05 * noise)
+        x = images(model).double()
+        expected = model(x)
+        vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+        torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_training_step_with_dropout_is_timms_when_nothing_is_reduced(name, fused):
