@@ -159,6 +159,41 @@ def assert_class_only_exact(model, x, fused, atol):
         torch.testing.assert_close(model.forward_features(x), features)  # called directly: every token
 
 
+def assert_training_step_kept(model, forward):
+    """Dropout on in ``model`` (train mode, float64): with the same seed, a patch at keep 1.0 in
+    every block (every token through the last) gives its training forward and every gradient
+    bit for bit. ``forward(model)`` is the output a user reads; a second seed must change it,
+    so the masks are really drawn. Patches ``model``."""
+    import copy
+
+    import vitprune
+
+    def step(model, seed=7):
+        torch.manual_seed(seed)
+        out = forward(model)
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, expected_grads = step(copy.deepcopy(model))
+    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
+    vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+    got, grads = step(model)
+    assert torch.equal(got, expected)
+    assert grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+
+
+def onnxruntime_output(model, x, folder):
+    """``model`` exported with ``torch.onnx.export(..., dynamo=True)`` into ``folder`` and run
+    on ``x`` by onnxruntime (a skip where onnxruntime or onnxscript is missing)."""
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    path = str(folder / "pruned.onnx")
+    torch.onnx.export(model, (x,), path, dynamo=True, verbose=False)
+    session = ort.InferenceSession(path)
+    return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+
+
 @pytest.fixture
 def tiny() -> torch.nn.Module:
     return make_model("deit_tiny")

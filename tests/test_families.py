@@ -5,14 +5,12 @@ class token score the mean attention each patch receives; their pruning blocks u
 explicit attention path, so they match the fused unpatched model to float tolerance.
 """
 
-import copy
-
 import pytest
 import timm
 import torch
 
 import vitprune
-from conftest import FAMILIES, PAPER, all_blocks, build, images, paper
+from conftest import FAMILIES, PAPER, all_blocks, assert_training_step_kept, build, images, paper
 from vitprune.measure.flops import count_flops, schedule_flops
 
 
@@ -64,20 +62,7 @@ def test_a_training_step_with_dropout_is_timms_when_nothing_is_reduced(name, fus
         if hasattr(module, "fused_attn"):
             module.fused_attn = fused
     x = images(model).double()
-
-    def step(model, seed=7):
-        torch.manual_seed(seed)
-        out = model(x)
-        out.square().sum().backward()
-        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    expected, expected_grads = step(copy.deepcopy(model))
-    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
-    vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
-    got, grads = step(model)
-    assert torch.equal(got, expected)
-    assert grads.keys() == expected_grads.keys()
-    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    assert_training_step_kept(model, lambda model: model(x))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

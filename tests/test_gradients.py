@@ -18,7 +18,9 @@ from conftest import build
 
 #: selection x reduction, and one bipartite stage that removes more than half its tokens
 #: (several rounds of matching, merged by ``merging.merge_tokens``).
-CASES = {f"{selection}, {reduction}": dict(selection=selection, reduction=reduction, keep_rate=0.5)
+#: The score-based selections read the class token's attention (``cls``); ``T = inf`` (above).
+CASES = {f"{selection}, {reduction}": dict(selection=selection, reduction=reduction, keep_rate=0.5, T=math.inf,
+                                           **({} if selection == "bipartite" else {"indicator": "cls"}))
          for selection in ("top", "redundant", "bipartite") for reduction in ("merge", "fuse", "drop")}
 CASES["bipartite rounds, merge"] = dict(keep_rate=0.3, stages=(1,))
 
@@ -53,11 +55,7 @@ def directional_errors(model, x, directions=2, eps=1e-6):
 @pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("name", ["gap, no class token", "ResPostBlock"])
 def test_gradients_equal_finite_differences(name, options):
-    model = model_of(name)
-    options = dict(options, T=math.inf)
-    if options.get("selection") in ("top", "redundant"):
-        options["indicator"] = "cls"
-    vitprune.patch(model, **options)
+    model = vitprune.patch(model_of(name), **options)
     x = torch.randn(2, 3, *model.patch_embed.img_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     assert max(directional_errors(model, x)) < 1e-6
 
@@ -70,18 +68,7 @@ def test_transformers_gradients_equal_finite_differences(name, options):
     whose rounding the quotient would read as an error)."""
     from conftest import require_transformers
     require_transformers()
-    from test_transformers import build as build_hf, images, main_output
+    from test_transformers import MainOutput, build as build_hf, images
 
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            return main_output(self.model(pixel_values=x))
-
-    options = dict(options, T=math.inf)
-    if options.get("selection") in ("top", "redundant"):
-        options["indicator"] = "cls"
     model = vitprune.patch(build_hf(name, "sdpa").double(), **options)
-    assert max(directional_errors(Logits(model), images(2).double())) < 1e-6
+    assert max(directional_errors(MainOutput(model), images(2).double())) < 1e-6

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HF_SIZES as SIZES, assert_same, require_transformers, snapshot
+from conftest import HF_SIZES as SIZES, assert_same, assert_training_step_kept, require_transformers, snapshot
 
 transformers = require_transformers()
 
@@ -61,6 +61,17 @@ def main_output(outputs):
     return outputs.last_hidden_state
 
 
+class MainOutput(torch.nn.Module):
+    """``main_output(model(pixel_values=x))`` as a module (for export, gradients)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return main_output(self.model(pixel_values=x))
+
+
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", MODELS)
 def test_nothing_pruned_equals_the_unpatched_model(name, attn_implementation):
@@ -104,20 +115,7 @@ def test_a_training_step_with_dropout_is_transformers_when_nothing_is_reduced(na
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     model, x = cls(config).double().train(), images().double()
-
-    def step(model, seed=7):
-        torch.manual_seed(seed)
-        out = main_output(model(pixel_values=x))
-        out.square().sum().backward()
-        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    expected, expected_grads = step(copy.deepcopy(model))
-    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
-    vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
-    got, grads = step(model)
-    assert torch.equal(got, expected)
-    assert grads.keys() == expected_grads.keys()
-    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    assert_training_step_kept(model, lambda model: main_output(model(pixel_values=x)))
 
 
 @pytest.mark.parametrize("options", [dict(keep_rate=0.7), dict(indicator="var", keep_rate=0.7, stages=(1, 2),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import HF_SIZES as SIZES, require_transformers
+from conftest import HF_SIZES as SIZES, onnxruntime_output, require_transformers
 
 transformers = require_transformers()
 
@@ -312,25 +312,12 @@ def test_torch_export_and_compile_reproduce_eager(name, backend):
 @pytest.mark.parametrize("name", ["ViTForImageClassification", "SiglipVisionModel"])
 def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, name, options):
     """The exported graph of a patched model (its main output) run by onnxruntime."""
-    ort = pytest.importorskip("onnxruntime")
-    pytest.importorskip("onnxscript")
-
-    class MainOutput(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, x):
-            outputs = self.model(pixel_values=x)
-            return outputs.logits if name.endswith("Classification") else outputs.pooler_output
+    from test_transformers import MainOutput
 
     model, x = MainOutput(vitprune.patch(build(name), **options)).eval(), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         expected = model(x).numpy()
-    torch.onnx.export(model, (x,), str(tmp_path / "pruned.onnx"), dynamo=True, verbose=False)
-    session = ort.InferenceSession(str(tmp_path / "pruned.onnx"))
-    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-    assert abs(got - expected).max() < 1e-4
+    assert abs(onnxruntime_output(model, x, tmp_path) - expected).max() < 1e-4
 
 
 @pytest.mark.parametrize("pretrained", [True, False])

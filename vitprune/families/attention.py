@@ -258,16 +258,17 @@ def parallel_scaling_with_row(
     through its own submodules, and the row the indicators score."""
     B, L, C = x.shape
     zeros = getattr(block, "qkv_bias", None)
-    if block.mlp_bias is not None and zeros is not None:
+    mlp_bias: Optional[torch.Tensor] = block.mlp_bias
+    if mlp_bias is not None and zeros is not None:
         # timm before 1.0.25 hands in_proj the bias cat((qkv zeros, mlp_bias)) while its split
         # puts the MLP first, so mlp_bias lands on other outputs: followed as it is
-        y = F.linear(block.in_norm(x), block.in_proj.weight, torch.cat((zeros, block.mlp_bias)))
-        x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
+        y = F.linear(block.in_norm(x), block.in_proj.weight, torch.cat((zeros, mlp_bias)))
+        mlp_bias = None  # added already
     else:
         y = block.in_proj(block.in_norm(x))
-        x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
-        if block.mlp_bias is not None:
-            x_mlp = x_mlp + block.mlp_bias
+    x_mlp, q, k, v = torch.split(y, block.in_split, dim=-1)
+    if mlp_bias is not None:
+        x_mlp = x_mlp + mlp_bias
     q = block.q_norm(q.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
     k = block.k_norm(k.view(B, L, block.num_heads, block.head_dim)).transpose(1, 2)
     v = v.view(B, L, block.num_heads, block.head_dim).transpose(1, 2)
