@@ -1,5 +1,7 @@
 """Overlapping patch embeddings: grid, position embeddings, exact undo, errors."""
 
+import copy
+
 import pytest
 import timm
 import torch
@@ -162,3 +164,65 @@ def test_fit_overlap_matches_the_unpruned_budget(tiny):
     assert analytic_flops(tiny) / 1e9 == pytest.approx(option.gflops)
     with pytest.raises(ValueError, match="no stride keeps at least 0.99"):
         fit_overlap(tiny, 0.5, min_keep_rate=0.99)
+
+
+def small_dynamic_and_static():
+    """deit_tiny at 64 x 64 (random weights), built with and without ``dynamic_img_size``."""
+    torch.manual_seed(0)
+    dynamic = timm.create_model("deit_tiny_patch16_224", img_size=64, dynamic_img_size=True).eval()
+    static = timm.create_model("deit_tiny_patch16_224", img_size=64).eval()
+    static.load_state_dict(dynamic.state_dict())
+    return dynamic, static
+
+
+@pytest.mark.parametrize("keep_rate", [1.0, 0.7])
+def test_set_input_size_on_an_overlapped_model_is_its_forward_at_that_size(keep_rate):
+    dynamic, static = small_dynamic_and_static()
+    for model in dynamic, static:
+        vitprune.patch(model, keep_rate=keep_rate, overlap_stride=8)
+    static.set_input_size(img_size=96)  # timm resamples the overlapped embedding to the new grid
+    assert static.patch_embed.grid_size == overlapped_grid((96, 96), (16, 16), 8) == (11, 11)
+    assert static.patch_embed.num_patches == 121 and static.pos_embed.shape == (1, 1 + 121, 192)
+    assert abs(count_flops(static, products_only=True) / analytic_flops(static) - 1) < 0.01  # counted at 96 x 96
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the dynamic model resamples the same embedding the same way, per forward
+        assert torch.equal(static(x), dynamic(x))
+
+
+def test_unpatch_after_set_input_size_leaves_what_the_call_leaves_on_the_unpatched_model():
+    _, model = small_dynamic_and_static()
+    expected = copy.deepcopy(model)
+    expected.set_input_size(img_size=96)
+    vitprune.patch(model, keep_rate=0.7, overlap_stride=8)
+    model.set_input_size(img_size=96)
+    vitprune.unpatch(model)
+    embed, other = model.patch_embed, expected.patch_embed
+    assert type(embed) is type(other) and embed.proj.stride == other.proj.stride == (16, 16)
+    assert (embed.img_size, embed.grid_size, embed.num_patches) == (other.img_size, other.grid_size, other.num_patches)
+    assert model.state_dict().keys() == expected.state_dict().keys()
+    assert all(torch.equal(value, expected.state_dict()[key]) for key, value in model.state_dict().items())
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected(x))
+
+
+def test_a_new_patch_size_is_refused_while_overlapped_and_changes_nothing():
+    _, model = small_dynamic_and_static()
+    vitprune.patch(model, keep_rate=0.7, overlap_stride=8)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"cannot change the patch size \(\(16, 16\) to \(8, 8\)\).*unpatch"):
+        model.set_input_size(img_size=96, patch_size=8)
+    assert_same(before, snapshot(model))
+    model.set_input_size(patch_size=16)  # the patch size it has: allowed
+
+
+@pytest.mark.parametrize("size", [dict(img_size=96), dict(patch_size=8), dict(img_size=80, patch_size=8)])
+def test_set_input_size_on_a_model_patched_without_overlap_is_timms(size):
+    _, model = small_dynamic_and_static()
+    expected = copy.deepcopy(model)
+    vitprune.patch(model, keep_rate=1.0, class_only_last=False)
+    for each in model, expected:
+        each.set_input_size(**size)
+    x = torch.randn(2, 3, *expected.patch_embed.img_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(x), expected(x))

@@ -16,7 +16,7 @@ from typing import Any, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import PatchEmbed
+from timm.layers import PatchEmbed, resample_abs_pos_embed, to_2tuple
 from torch import nn
 
 
@@ -46,7 +46,8 @@ def resample_grid_embed(pos_embed: torch.Tensor, num_prefix: int, old_grid: Tupl
 
 class OverlapPatchEmbed(PatchEmbed):
     """timm ``PatchEmbed`` while its stride is smaller than its kernel: the grid of an image
-    size follows the stride (``PatchEmbed`` assumes stride == patch size)."""
+    size follows the stride (``PatchEmbed`` assumes stride == patch size), in the forward at
+    dynamic image sizes and in ``set_input_size`` alike."""
 
     def dynamic_feat_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
         (height, width), (ph, pw) = img_size, self.patch_size
@@ -54,12 +55,31 @@ class OverlapPatchEmbed(PatchEmbed):
             height, width = -(-height // ph) * ph, -(-width // pw) * pw
         return overlapped_grid((height, width), (ph, pw), self.proj.stride[0])
 
+    def _init_img_size(self, img_size: Any) -> Tuple[Any, Any, Any]:
+        # what PatchEmbed.set_input_size (and so the model's) sets the grid from
+        size, grid, count = super()._init_img_size(img_size)
+        if size is None:
+            return size, grid, count
+        grid = overlapped_grid(size, self.patch_size, self.proj.stride[0])
+        return size, grid, grid[0] * grid[1]
+
+    def set_input_size(self, img_size: Any = None, patch_size: Any = None) -> None:
+        """timm's, for a new image size; a new patch size is refused (before anything changes)."""
+        if patch_size is not None and to_2tuple(patch_size) != tuple(self.patch_size):
+            raise ValueError(
+                f"cannot change the patch size ({tuple(self.patch_size)} to {to_2tuple(patch_size)}) while "
+                f"vitprune's overlap_stride={self.proj.stride[0]} is applied: vitprune.unpatch(model), "
+                "set the size, then patch again"
+            )
+        super().set_input_size(img_size=img_size)
+
 
 @dataclass
 class OverlapRecord:
     """What :func:`apply_overlap` changed, to put back exactly."""
 
     stride: Tuple[int, int]
+    img_size: Tuple[int, int]
     grid_size: Tuple[int, int]
     num_patches: int
     pos_embed: "torch.Tensor | None"
@@ -102,7 +122,8 @@ def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
     embed: Any = model.patch_embed  # timm's attributes, untyped
     pos_embed = getattr(model, "pos_embed", None)
     record = OverlapRecord(
-        stride=tuple(embed.proj.stride), grid_size=tuple(embed.grid_size), num_patches=embed.num_patches,
+        stride=tuple(embed.proj.stride), img_size=tuple(embed.img_size), grid_size=tuple(embed.grid_size),
+        num_patches=embed.num_patches,
         pos_embed=None if pos_embed is None else pos_embed.data,
     )
     new_grid = overlapped_grid(embed.img_size, embed.patch_size, stride)
@@ -119,12 +140,21 @@ def apply_overlap(model: nn.Module, stride: int) -> OverlapRecord:
 def remove_overlap(model: nn.Module, record: OverlapRecord) -> None:
     """Undo :func:`apply_overlap` exactly, from its record. The position embedding gets its
     original values in the dtype and on the device it has now (the model may have been
-    moved or cast since)."""
+    moved or cast since). If the image size was changed since (timm's ``set_input_size``),
+    the model is left as that call would have left the unpatched model: the original
+    position embedding resampled as timm resamples it, to the size's unoverlapped grid."""
     embed: Any = model.patch_embed  # timm's attributes, untyped
     embed.__class__ = PatchEmbed
     embed.proj.stride = record.stride
     embed.grid_size = record.grid_size
     embed.num_patches = record.num_patches
+    resized = tuple(embed.img_size) != record.img_size
+    if resized:
+        embed.img_size, embed.grid_size, embed.num_patches = embed._init_img_size(embed.img_size)
     if record.pos_embed is not None:
         pos_embed: Any = model.pos_embed
-        pos_embed.data = record.pos_embed.to(device=pos_embed.device, dtype=pos_embed.dtype)
+        original = record.pos_embed.to(device=pos_embed.device, dtype=pos_embed.dtype)
+        if resized and tuple(embed.grid_size) != record.grid_size:
+            original = resample_abs_pos_embed(original, new_size=list(embed.grid_size), old_size=list(record.grid_size),
+                                              num_prefix_tokens=_grid_prefix(model))
+        pos_embed.data = original
