@@ -287,3 +287,25 @@ def test_output_attentions_records_every_layer_at_its_pruned_length(name):
     # (class_only_last): the same sums, blocked differently by the smaller products.
     exact = dict(rtol=1e-5, atol=1e-6) if config.class_only_last else dict(rtol=0, atol=0)
     torch.testing.assert_close(main_output(outputs), main_output(plain), **exact)
+
+
+@pytest.mark.skipif(not hasattr(torch.ao.quantization, "quantize_dynamic"), reason="no quantize_dynamic in this torch")
+@pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "DeiTForImageClassification"])
+def test_dynamically_quantized_classifiers_are_exact_when_nothing_is_reduced_in_either_order(name):
+    """Their quantized layers round on a scale taken from every token they are given, so the
+    class token alone in the last layer (``class_only_last``) would round otherwise: off by
+    default on a quantized model, and skipped at the call on one quantized after patching."""
+    def quantized(model):
+        return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+    model, x = build(name), images()
+    with torch.no_grad():
+        expected = quantized(copy.deepcopy(model))(pixel_values=x).logits
+        first = vitprune.patch(quantized(copy.deepcopy(model)), keep_rate=1.0)
+        assert vitprune.get_config(first).class_only_last is False
+        assert torch.equal(first(pixel_values=x).logits, expected)
+        after = quantized(vitprune.patch(copy.deepcopy(model), keep_rate=1.0))
+        assert vitprune.get_config(after).class_only_last is True
+        assert torch.equal(after(pixel_values=x).logits, expected)

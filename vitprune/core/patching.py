@@ -66,7 +66,7 @@ def settle_class_only(model: nn.Module, config: PruneConfig, family: Family) -> 
     where the family allows it and no explicit stage is the last block, see
     :meth:`PruneConfig.settle_class_only`); ``TypeError`` when it is ``True`` and the model
     cannot take it."""
-    reason = family.class_only(model)
+    reason = family.class_only_refusal(model)
     if config.class_only_last and reason is not None:
         raise TypeError(f"class_only_last=True cannot apply to this {family.model.__name__}: {reason}; "
                         "leave class_only_last=None (on where exact) or False")

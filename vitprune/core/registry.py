@@ -60,6 +60,31 @@ def no_class_only(model: nn.Module) -> Optional[str]:
             "VisionTransformerRelPos and for transformers' ViT and DeiT classifiers only")
 
 
+#: Where PyTorch's dynamically quantized layers live: they quantize their input on a scale
+#: taken from all of it, so a row's result depends on the other rows given with it.
+_DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic."
+
+
+def _holds_dynamic_quantized(module: nn.Module) -> bool:
+    for child in module._modules.values():
+        if child is not None and (type(child).__module__.startswith(_DYNAMIC_QUANTIZED) or _holds_dynamic_quantized(child)):
+            return True
+    return False
+
+
+def row_coupled_layer(block: nn.Module) -> Optional[str]:
+    """A sentence naming the first layer of ``block`` whose result for a token depends on
+    the other tokens it is given (a dynamically quantized ``Linear``, from
+    ``torch.ao.quantization.quantize_dynamic``), or ``None``: computing the prefix tokens
+    alone is exact only where every layer treats each token on its own."""
+    if not _holds_dynamic_quantized(block):  # the forward asks at every call: a quick walk first
+        return None
+    name, layer = next((n, m) for n, m in block.named_modules() if type(m).__module__.startswith(_DYNAMIC_QUANTIZED))
+    return (f"the last block's {name} is a dynamically quantized {type(layer).__name__}, which rounds its "
+            "input on a scale taken from every token it is given, so the prefix tokens computed alone "
+            "would round otherwise")
+
+
 def no_extras(model: nn.Module) -> "list[nn.Module]":
     return []
 
@@ -129,6 +154,16 @@ class Family:
     extras: Callable[[nn.Module], "list[nn.Module]"] = no_extras
     library: str = "timm"
     class_only: Callable[[nn.Module], Optional[str]] = no_class_only
+
+    def class_only_refusal(self, model: nn.Module) -> Optional[str]:
+        """Why ``class_only_last`` cannot apply to ``model`` as it is now, or ``None``: the
+        family's own reason (:attr:`class_only`), else a layer of the last block that
+        would round the prefix tokens otherwise when given them alone
+        (:func:`row_coupled_layer`). ``patch``, the forward and the FLOP counts all ask this."""
+        reason = self.class_only(model)
+        if reason is None:
+            reason = row_coupled_layer(self.blocks_of(model)[-1])
+        return reason
 
     def foreign_attention(self, block: nn.Module) -> Dict[str, nn.Module]:
         """The block's attention modules, by name, of a class this family cannot run (``patch``

@@ -165,10 +165,11 @@ class PrunedModel(_TimmModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """timm's ``forward``; with ``class_only_last``, its last block computes the prefix
         tokens alone while the head reads the class token alone (checked at every call: a
-        model whose pooling changed since ``patch`` runs the whole block, exactly)."""
+        model whose pooling changed, or whose last block was quantized, since ``patch`` runs
+        the whole block, exactly)."""
         state = self.vitprune_state
         family = family_of(self) if state.config.class_only_last else None
-        head_only = family is not None and family.class_only(self) is None
+        head_only = family is not None and family.class_only_refusal(self) is None
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:

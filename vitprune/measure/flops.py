@@ -80,13 +80,28 @@ def reduction_flops(config: PruneConfig, n: int, out: int, C: int, heads: int) -
     return total
 
 
+#: Layers that multiply each token by a matrix: ``nn.Linear``, and PyTorch's quantized
+#: ``Linear`` (static or dynamic: ``torch.ao.quantization.quantize_dynamic`` swaps them in),
+#: the same multiply-adds in int8, while this torch has them (they are deprecated).
+_LINEAR: Tuple[type, ...] = (nn.Linear,) + tuple(
+    c for c in [getattr(getattr(torch.ao.nn, "quantized", None), "Linear", None)] if isinstance(c, type))
+
+
+def _is_linear(module: Any) -> bool:
+    return isinstance(module, _LINEAR)
+
+
+def _products(linear: Any) -> int:
+    """Multiply-adds of one token through a layer of :data:`_LINEAR`."""
+    return int(linear.in_features) * int(linear.out_features)
+
+
 def _linear_flops(modules: Iterable[nn.Module]) -> int:
-    """Multiply-adds of one token through every ``nn.Linear`` in ``modules`` (and below),
+    """Multiply-adds of one token through every linear layer (:data:`_LINEAR`) in ``modules`` (and below),
     but those of relative-position MLPs, which run on their table (:func:`_table_flops`)."""
     modules = list(modules)
     tables = {id(m) for module in modules for table in _tables(module) for m in table.modules()}
-    return sum(m.in_features * m.out_features for module in modules for m in module.modules()
-               if isinstance(m, nn.Linear) and id(m) not in tables)
+    return sum(_products(m) for module in modules for m in module.modules() if _is_linear(m) and id(m) not in tables)
 
 
 def _tables(module: nn.Module) -> List[nn.Module]:
@@ -101,7 +116,7 @@ def _table_flops(tables: Sequence[nn.Module]) -> int:
     for table in tables:
         coords: Any = table.rel_coords_log  # (2h - 1, 2w - 1, 2)
         total += coords.numel() // coords.shape[-1] * sum(
-            m.in_features * m.out_features for m in table.modules() if isinstance(m, nn.Linear))
+            _products(m) for m in table.modules() if _is_linear(m))
     return total
 
 
@@ -127,11 +142,11 @@ def _key_value_flops(attention: Sequence[nn.Module]) -> int:
     if len(attention) != 1:
         return 0
     module = attention[0]
-    qkv = getattr(module, "qkv", None)
-    if isinstance(qkv, nn.Linear):
+    qkv: Any = getattr(module, "qkv", None)
+    if _is_linear(qkv):
         return _linear_flops([qkv]) * 2 // 3
-    projections = [getattr(module, name, None) for name in ("k_proj", "v_proj")]
-    linear = [p for p in projections if isinstance(p, nn.Linear)]
+    projections: List[Any] = [getattr(module, name, None) for name in ("k_proj", "v_proj")]
+    linear = [p for p in projections if _is_linear(p)]
     return _linear_flops(linear) if len(linear) == len(projections) else 0
 
 
@@ -149,7 +164,7 @@ def _block_cost(block: nn.Module, family: Optional[Family], width: int) -> _Bloc
     attention_of, heads_of = (family.attention_modules, family.heads) if family else (own_attention, attention_heads)
     attention = list(attention_of(block).values())
     inside = {id(m) for module in attention for m in module.modules()}
-    rest = [m for m in block.modules() if isinstance(m, nn.Linear) and id(m) not in inside]
+    rest = [m for m in block.modules() if _is_linear(m) and id(m) not in inside]
     return _BlockCost(attention=_linear_flops(attention), rest=_linear_flops(rest), heads=heads_of(block),
                       keys_values=_key_value_flops(attention),
                       width=sum(_attention_width(module, width) for module in attention))
@@ -219,7 +234,7 @@ def _layout(model: nn.Module) -> _Layout:
              if isinstance(m, (nn.MultiheadAttention, AttentionPoolLatent)) and id(m) not in in_blocks]
     tables = _tables(model)
     skip = {id(m) for part in (blocks, embed, *pools, *tables) if isinstance(part, nn.Module) for m in part.modules()}
-    once = _linear_flops(m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in skip)
+    once = _linear_flops(m for m in model.modules() if _is_linear(m) and id(m) not in skip)
     once += _table_flops(tables)  # relative-position MLPs, on their tables
 
     def after_blocks(tokens: int) -> int:  # heads read one pooled (or class) token; a pool reads all
@@ -277,7 +292,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
     stem = 0 if layout.stem is None else run_stem(layout.stem, input_size(model, img_size)).flops
     depth = len(layout.blocks)
     family = layout.family
-    class_only = family is not None and family.class_only(model) is None  # as ``forward`` decides
+    class_only = family is not None and family.class_only_refusal(model) is None  # as ``forward`` decides
 
     grids: Dict[Optional[int], int] = {}  # patches per stride: a hybrid's off its own size runs the stem
 
