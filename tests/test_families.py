@@ -258,3 +258,48 @@ def test_member_reads_what_getattr_reads_without_its_exception():
     module = Odd()
     for name in ("q_bias", "norm", "table", "gate", "groups", "kind", "heads", "absent"):
         assert member(module, name, "default") is getattr(module, name, "default"), name
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_hooks_on_an_attention_the_patch_runs_itself_are_named_and_its_layers_hooks_still_run(name):
+    """A swapped block runs its attention's layers itself (to read the scored row), so a
+    forward hook on the attention module would go silent: ``patch`` warns, naming it. The
+    hooks on the attention's layers run as they run in timm."""
+    import warnings
+
+    from vitprune.core.registry import family_of
+
+    model = build(name)
+    attentions = family_of(model).attention_modules(model.blocks[1])
+    ran = []
+    for attn in attentions.values():
+        for layer_name, layer in attn.named_children():
+            layer.register_forward_hook(lambda *a, layer_name=layer_name: ran.append(layer_name))
+    with torch.no_grad():
+        model(images(model))
+    in_timm, ran[:] = sorted(ran), []
+    for attn in attentions.values():
+        attn.register_forward_hook(lambda *a: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vitprune.patch(model, keep_rate=0.7)
+    named = [str(w.message) for w in caught if "forward hooks" in str(w.message)]
+    if attentions:
+        expected = ", ".join(f"blocks.1.{path}" for path in attentions)
+        assert len(named) == 1 and f"will not run while the model is patched: {expected};" in named[0]
+    else:  # ParallelScalingBlock: one fused projection, no attention module
+        assert named == []
+    with torch.no_grad():
+        model(images(model))
+    assert sorted(ran) == in_timm
+
+
+def test_a_patch_without_hooks_on_attention_modules_warns_nothing():
+    import warnings
+
+    model = build("ResPostBlock")
+    model.blocks[1].register_forward_hook(lambda *a: None)  # on the block: still runs
+    model.blocks[1].attn.qkv.register_forward_hook(lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        vitprune.patch(model, keep_rate=0.7)

@@ -309,3 +309,13 @@ def test_dynamically_quantized_classifiers_are_exact_when_nothing_is_reduced_in_
         after = quantized(vitprune.patch(copy.deepcopy(model), keep_rate=1.0))
         assert vitprune.get_config(after).class_only_last is True
         assert torch.equal(after(pixel_values=x).logits, expected)
+
+
+def test_a_hook_on_an_attention_module_the_patch_runs_itself_is_named():
+    from vitprune.core.registry import blocks_of
+
+    model = build("ViTForImageClassification")
+    layer = blocks_of(model)[2]
+    layer.attention.register_forward_hook(lambda *a: None)
+    with pytest.warns(UserWarning, match=r"will not run while the model is patched: [\w.]+\.2\.attention;"):
+        vitprune.patch(model, keep_rate=0.7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, List, NoReturn, Optional, Sequence, Union
 
 import torch
@@ -89,6 +90,29 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
                 f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
                 f"{original.__name__} blocks with timm's {accepted}"
             )
+
+
+def _warn_of_bypassed_hooks(model: nn.Module, family: Family, swapped: Sequence[int]) -> None:
+    """Warn where a block ``patch`` swaps has forward hooks on an attention module (or a
+    container of one) that its pruning forward does not call: it runs that attention's layers
+    itself, to read the scored row, so those hooks would stop running unnoticed."""
+    blocks = family.blocks_of(model)
+    prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
+    silenced = []
+    for index in swapped:
+        block = blocks[index]
+        for name in family.attention_modules(block):
+            parts = name.split(".")
+            for depth in range(1, len(parts) + 1):
+                path = ".".join(parts[:depth])
+                module = block.get_submodule(path)
+                if module._forward_hooks or module._forward_pre_hooks:
+                    silenced.append(f"{prefix}.{index}.{path}")
+    if silenced:
+        warnings.warn(
+            f"vitprune runs the layers of these attention modules itself, so the forward hooks registered on "
+            f"them will not run while the model is patched: {', '.join(dict.fromkeys(silenced))}; hook the block, "
+            "or the attention's own layers (its projections), which still run", UserWarning, stacklevel=3)
 
 
 def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
@@ -259,6 +283,7 @@ def patch(
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None:
         check_model_overlap(model, family, cfg.overlap_stride)
+    _warn_of_bypassed_hooks(model, family, sorted(plan))
 
     unpatch(model)
     source = "cls" if family.class_token_of(model) else "mean"
