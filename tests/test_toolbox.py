@@ -242,3 +242,25 @@ def test_forward_intermediates_refuses_a_bad_call_as_timm_does(call, match):
     with pytest.raises(TypeError, match=match), torch.no_grad():
         call(model, x)
     assert not model.vitprune_state.wants_groups
+
+
+@pytest.mark.parametrize("wrap, inner, match", [
+    (lambda m: torch.compile(m, backend="aot_eager"), lambda w: w._orig_mod,
+     r"OptimizedModule: it is torch.compile's wrapper: patch the model it wraps, vitprune\.patch\(compiled\._orig_mod"),
+    (torch.nn.DataParallel, lambda w: w.module, r"DataParallel: it is a wrapper: patch the model it wraps, "
+                                                r"vitprune\.patch\(wrapper\.module"),
+])
+def test_a_wrapped_model_is_patched_through_the_model_it_wraps(wrap, inner, match):
+    model = small_vit()
+    x = images()
+    wrapper = wrap(model)
+    with torch.no_grad():
+        expected = model(x)
+        before = snapshot(model)
+        with pytest.raises(TypeError, match=match):
+            vitprune.patch(wrapper, keep_rate=0.5)
+        assert_same(before, snapshot(model))
+        vitprune.patch(inner(wrapper), keep_rate=0.5)
+        assert torch.equal(wrapper(x), model(x)) and not torch.equal(model(x), expected)
+        vitprune.unpatch(wrapper)  # unpatch reaches inside
+        assert torch.equal(wrapper(x), expected)

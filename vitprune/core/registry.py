@@ -192,6 +192,12 @@ REFUSED = {
     "PyramidVisionTransformerV2": "it is hierarchical (spatial-reduction attention on the full grid)",
     "Twins": "its locally-grouped attention needs the full token grid",
     "MultiScaleVit": "its pooling attention and stages need the full token grid",
+    "OptimizedModule": "it is torch.compile's wrapper: patch the model it wraps, vitprune.patch(compiled._orig_mod, "
+                       "...) (the wrapper compiles again at its next call), or patch before compiling",
+    "DataParallel": "it is a wrapper: patch the model it wraps, vitprune.patch(wrapper.module, ...)",
+    "DistributedDataParallel": "it is a wrapper: patch the model it wraps, vitprune.patch(wrapper.module, ...), "
+                               "best before wrapping it",
+    "PeftModel": "it is peft's wrapper: patch the model it wraps, vitprune.patch(peft_model.base_model.model, ...)",
     "FeatureGetterNet": "it is timm's features_only wrapper: patch the ViT it wraps, "
                         "vitprune.patch(net.model, ...), whose forward_intermediates the wrapper calls "
                         "(maps after pruning are the tokens spread back over the grid)",
