@@ -117,6 +117,16 @@ class ForwardRecords:
             self._pending[stage] = (previous, make)
 
 
+#: Whether ``torch.compile`` can trace a patched forward: dynamo before torch 2.6 fails on
+#: the per-thread records (an internal error on torch 2.4), so there the forward runs eagerly.
+DYNAMO_TRACES_RECORDS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+
+
+def _eagerly(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, run outside ``torch.compile`` (and anything it calls)."""
+    return torch._dynamo.disable(function)
+
+
 class PruneState:
     """Shared by a patched model and its pruning blocks; one per patched model.
 
@@ -231,6 +241,8 @@ class PruneState:
         """``forward(*args, **kwargs)``, the model's own ``forward``, with :attr:`head_only` set
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
         wraps around its class's)."""
+        if is_compiling() and not DYNAMO_TRACES_RECORDS:  # run it eagerly, uncompiled (the README says so)
+            return _eagerly(self.run_forward)(head_only, forward, *args, **kwargs)
         self.head_only = head_only
         self.in_forward = True
         try:
