@@ -3,6 +3,7 @@
 import copy
 import importlib.util
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -314,8 +315,14 @@ def test_dynamically_quantized_classifiers_are_exact_when_nothing_is_reduced_in_
 def test_a_hook_on_an_attention_module_the_patch_runs_itself_is_named():
     from vitprune.core.registry import blocks_of
 
+    import warnings
+
     model = build("ViTForImageClassification")
-    layer = blocks_of(model)[2]
-    layer.attention.register_forward_hook(lambda *a: None)
-    with pytest.warns(UserWarning, match=r"will not run while the model is patched: [\w.]+\.2\.attention;"):
+    with torch.no_grad():  # transformers hooks every attention module to record what a call asks for
+        model(pixel_values=images(), output_attentions=True, output_hidden_states=True)
+    blocks_of(model)[2].attention.register_forward_hook(lambda *a: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         vitprune.patch(model, keep_rate=0.7)
+    named = [str(w.message) for w in caught if "forward hooks" in str(w.message)]
+    assert len(named) == 1 and re.search(r"will not run while the model is patched: [\w.]+\.2\.attention;", named[0])

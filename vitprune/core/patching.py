@@ -92,6 +92,12 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
             )
 
 
+def _users_hook(hook: Any) -> bool:
+    """Not ``transformers``' own: it hooks attention modules to record their outputs when a
+    call asks for them, which the patched layers serve themselves (``output_attentions``)."""
+    return not str(getattr(hook, "__module__", "")).startswith("transformers.")
+
+
 def _warn_of_bypassed_hooks(model: nn.Module, family: Family, swapped: Sequence[int]) -> None:
     """Warn where a block ``patch`` swaps has forward hooks on an attention module (or a
     container of one) that its pruning forward does not call: it runs that attention's layers
@@ -106,7 +112,7 @@ def _warn_of_bypassed_hooks(model: nn.Module, family: Family, swapped: Sequence[
             for depth in range(1, len(parts) + 1):
                 path = ".".join(parts[:depth])
                 module = block.get_submodule(path)
-                if module._forward_hooks or module._forward_pre_hooks:
+                if any(_users_hook(hook) for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())):
                     silenced.append(f"{prefix}.{index}.{path}")
     if silenced:
         warnings.warn(

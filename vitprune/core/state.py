@@ -242,7 +242,10 @@ class PruneState:
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
         wraps around its class's)."""
         if is_compiling() and not DYNAMO_TRACES_RECORDS:  # run it eagerly, uncompiled (the README says so)
-            return _eagerly(self.run_forward)(head_only, forward, *args, **kwargs)
+            return _eagerly(self._run_forward)(head_only, forward, *args, **kwargs)
+        return self._run_forward(head_only, forward, *args, **kwargs)
+
+    def _run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.head_only = head_only
         self.in_forward = True
         try:
