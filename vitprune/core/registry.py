@@ -65,9 +65,13 @@ def no_class_only(model: nn.Module) -> Optional[str]:
 _DYNAMIC_QUANTIZED = "torch.ao.nn.quantized.dynamic."
 
 
+def _dynamic_quantized(module: nn.Module) -> bool:
+    return type(module).__module__.startswith(_DYNAMIC_QUANTIZED)
+
+
 def _holds_dynamic_quantized(module: nn.Module) -> bool:
     for child in module._modules.values():
-        if child is not None and (type(child).__module__.startswith(_DYNAMIC_QUANTIZED) or _holds_dynamic_quantized(child)):
+        if child is not None and (_dynamic_quantized(child) or _holds_dynamic_quantized(child)):
             return True
     return False
 
@@ -79,7 +83,7 @@ def row_coupled_layer(block: nn.Module) -> Optional[str]:
     alone is exact only where every layer treats each token on its own."""
     if not _holds_dynamic_quantized(block):  # the forward asks at every call: a quick walk first
         return None
-    name, layer = next((n, m) for n, m in block.named_modules() if type(m).__module__.startswith(_DYNAMIC_QUANTIZED))
+    name, layer = next((n, m) for n, m in block.named_modules() if _dynamic_quantized(m))
     return (f"the last block's {name} is a dynamically quantized {type(layer).__name__}, which rounds its "
             "input on a scale taken from every token it is given, so the prefix tokens computed alone "
             "would round otherwise")

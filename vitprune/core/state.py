@@ -122,11 +122,6 @@ class ForwardRecords:
 DYNAMO_TRACES_RECORDS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
-def _eagerly(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, run outside ``torch.compile`` (and anything it calls)."""
-    return torch._dynamo.disable(function)
-
-
 class PruneState:
     """Shared by a patched model and its pruning blocks; one per patched model.
 
@@ -242,7 +237,7 @@ class PruneState:
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
         wraps around its class's)."""
         if is_compiling() and not DYNAMO_TRACES_RECORDS:  # run it eagerly, uncompiled (the README says so)
-            return _eagerly(self._run_forward)(head_only, forward, *args, **kwargs)
+            return torch._dynamo.disable(self._run_forward)(head_only, forward, *args, **kwargs)
         return self._run_forward(head_only, forward, *args, **kwargs)
 
     def _run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

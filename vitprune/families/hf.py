@@ -40,7 +40,7 @@ from transformers.models.siglip.modeling_siglip import (SiglipAttention, SiglipE
 from transformers.models.vit.modeling_vit import ViTAttention, ViTForImageClassification, ViTLayer, ViTModel
 
 from ..core.grid import vision_config
-from ..core.registry import REFUSED, Family, no_extras, register, row_coupled_layer
+from ..core.registry import REFUSED, Family, family_of, no_extras, register
 from ..core.state import PruneState, Scored, in_backward
 from .attention import AttentionModule, attend, member, prefix_rows, split_heads
 from ..core.tokens import is_exporting
@@ -306,9 +306,10 @@ class _ClassTokenClassifier(_HFModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         state = self.vitprune_state
+        family = family_of(self)  # asked at every call, as timm's forward asks (a last layer quantized since)
         head_only = bool(state.config.class_only_last) and not (
             _asks(self, kwargs, "hidden_states") or _asks(self, kwargs, "attentions")
-            or row_coupled_layer(_layers(self)[-1]) is not None)  # quantized after patch
+        ) and family is not None and family.class_only_refusal(self) is None
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
 
