@@ -122,6 +122,17 @@ class ForwardRecords:
 DYNAMO_TRACES_RECORDS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
+def eager_if_untraceable(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``method(*args, **kwargs)``; while ``torch.compile`` traces it on a torch that cannot
+    trace the per-thread records (:data:`DYNAMO_TRACES_RECORDS`), run eagerly instead: the
+    eager outputs inside the compiled caller (the README says so). Every patched method that
+    reads or writes the records from the outside (the model's ``forward``,
+    ``forward_features``, ``forward_intermediates``, its pooling) calls through this."""
+    if is_compiling() and not DYNAMO_TRACES_RECORDS:
+        return torch._dynamo.disable(method)(*args, **kwargs)
+    return method(*args, **kwargs)
+
+
 class PruneState:
     """Shared by a patched model and its pruning blocks; one per patched model.
 
@@ -236,9 +247,7 @@ class PruneState:
         """``forward(*args, **kwargs)``, the model's own ``forward``, with :attr:`head_only` set
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
         wraps around its class's)."""
-        if is_compiling() and not DYNAMO_TRACES_RECORDS:  # run it eagerly, uncompiled (the README says so)
-            return torch._dynamo.disable(self._run_forward)(head_only, forward, *args, **kwargs)
-        return self._run_forward(head_only, forward, *args, **kwargs)
+        return eager_if_untraceable(self._run_forward, head_only, forward, *args, **kwargs)
 
     def _run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.head_only = head_only

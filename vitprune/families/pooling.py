@@ -35,6 +35,7 @@ from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
 from ..core.registry import family_of, original_block_class, timm_blocks
+from ..core.state import eager_if_untraceable
 from ..core.tokens import is_compiling
 
 
@@ -173,6 +174,9 @@ class PrunedModel(_TimmModel):
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return eager_if_untraceable(self._vitprune_forward_features, *args, **kwargs)
+
+    def _vitprune_forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         state = self.vitprune_state
         if not state.in_forward:  # called directly: every token, through every block
             state.head_only = False
@@ -180,6 +184,9 @@ class PrunedModel(_TimmModel):
         return _mark(features, state.sizes)
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
+        return eager_if_untraceable(self._vitprune_pool, x, pool_type)
+
+    def _vitprune_pool(self, x: torch.Tensor, pool_type: "str | None") -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
         pool_type = self.global_pool if pool_type is None else pool_type
         weighted = self.attn_pool is not None or pool_type in ("avg", "avgmax")
@@ -200,6 +207,9 @@ class PrunedModel(_TimmModel):
         return bool(getattr(self, "pool_include_prefix", False))
 
     def forward_intermediates(self, *args: Any, **kwargs: Any):
+        return eager_if_untraceable(self._vitprune_forward_intermediates, *args, **kwargs)
+
+    def _vitprune_forward_intermediates(self, *args: Any, **kwargs: Any):
         names, defaults = self._vitprune_intermediates_names, self._vitprune_intermediates_defaults
         options: Dict[str, Any] = {**defaults, **dict(zip(names, args)), **kwargs}
         if (len(args) > len(names) or any(name in kwargs for name in names[:len(args)])
@@ -261,6 +271,9 @@ class MeanPoolingHead(_TimmModel):
     """For models whose ``forward_head`` averages inline (BEiT, relpos): the same, size-weighted."""
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return eager_if_untraceable(self._vitprune_forward_head, x, pre_logits)
+
+    def _vitprune_forward_head(self, x: torch.Tensor, pre_logits: bool) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
         if sizes is None or self.global_pool != "avg":
             return super().forward_head(x, pre_logits)
