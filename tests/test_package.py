@@ -8,6 +8,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 import vitprune
 from vitprune.commands.cli import main
 
@@ -46,6 +48,20 @@ def test_help_shows_defaults_as_plain_text(capsys):
         pass
     text = capsys.readouterr().out
     assert "(default: 0.7)" in text and "random weights" in text and "``" not in text
+
+
+@pytest.mark.parametrize("command", ["demo", "bench", "show", "eval"])
+def test_help_states_each_default_once_and_only_where_there_is_one(command, capsys):
+    try:
+        main([command, "--help"])
+    except SystemExit:
+        pass
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert not re.search(r"\(default: [^)]*\) \(default:", text)
+    if command == "eval":
+        assert "--workers WORKERS data-loading worker processes (default: 0)" in text
+        assert "/data/imagenet/val \\ --budgets" in text  # the example's line break, as typed
 
 
 def test_patch_lists_every_option_as_a_typed_keyword():

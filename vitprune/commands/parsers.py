@@ -24,7 +24,15 @@ DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Descriptions as written, and every option's default in its help."""
+    """Descriptions as written, and every option's default in its help: once (an option whose
+    help already says its default in words keeps those words), and only where there is one
+    (no "default: None" after a required option or one whose absence means "not given")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.required or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action) or text
 
 
 def positive_int(text: str) -> int:
@@ -182,7 +190,7 @@ once and goes through every setting; speed is measured in the same run, the sett
 taking turns on each batch.
 
 Example (ImageNet validation, a user's own copy):
-  vitprune eval --model deit_small_patch16_224 --pretrained --data-dir /data/imagenet/val \
+  vitprune eval --model deit_small_patch16_224 --pretrained --data-dir /data/imagenet/val \\
       --budgets 0.8 0.7 0.6 --indicators default var --baseline merge --out r.json --plot r.png""")
     source = parser.add_argument_group("model (one of)")
     source.add_argument("--model", default=None,
