@@ -5,6 +5,8 @@ class token score the mean attention each patch receives; their pruning blocks u
 explicit attention path, so they match the fused unpatched model to float tolerance.
 """
 
+import inspect
+
 import pytest
 import timm
 import torch
@@ -88,6 +90,18 @@ def test_pruning_runs_and_unpatch_restores(name, options):
         assert positions[0].shape == (3, k) and (positions[0] >= 0).all()
     torch.testing.assert_close(restored, expected, rtol=0, atol=0)
     assert type(model) is type(build(name)) and not vitprune.is_patched(model)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_patched_methods_show_timms_signatures(name):
+    """Tools read a model's parameters by name (``torch.export``'s ``dynamic_shapes={"x":
+    ...}``); the patched methods take ``(*args, **kwargs)`` and must still show timm's."""
+    model = build(name)
+    methods = [m for m in ("forward", "forward_features", "forward_intermediates") if hasattr(model, m)]
+    before = {m: inspect.signature(getattr(model, m)) for m in methods}
+    vitprune.patch(model, keep_rate=0.7)
+    assert {m: inspect.signature(getattr(model, m)) for m in methods} == before
+    assert model.forward.__name__ == "forward" and "x" in before["forward"].parameters
 
 
 #: The families timm builds with ``dynamic_img_size`` (BEiT's and relpos' bias tables are fixed to one grid).

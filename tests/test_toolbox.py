@@ -30,6 +30,29 @@ def test_torch_export_reproduces_eager(options):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("options", [PAPER, {}], ids=["paper", "defaults"])
+def test_export_and_onnx_with_a_dynamic_batch_named_as_timm_names_it(tmp_path, options):
+    """``dynamic_shapes`` keyed by timm's parameter name, as a user's export script for the
+    unpatched model has it; one program for every batch size."""
+    from torch.export import Dim
+    onnxruntime = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = vitprune.patch(small_vit(), **{"keep_rate": 0.7, **options})
+    shapes = {"x": {0: Dim("batch", min=1, max=16)}}
+    exported = torch.export.export(model, (images(batch=2),), dynamic_shapes=shapes).module()
+    onnx_path = tmp_path / "model.onnx"
+    torch.onnx.export(model, (images(batch=2),), str(onnx_path), dynamo=True, dynamic_shapes=shapes)
+    session = onnxruntime.InferenceSession(str(onnx_path))
+    for batch in (1, 3):
+        x = images(batch=batch, seed=batch)
+        with torch.no_grad():
+            expected = model(x)
+            torch.testing.assert_close(exported(x), expected)
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+        assert abs(got - expected.numpy()).max() < 1e-4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [PAPER, {}, dict(keep_rate=0.3, selection="redundant"),
                                      dict(indicator=None, crowding=0.5),
                                      dict(indicator=None, class_only_last=True)], ids=str)

@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import inspect
 import io
 import re
 from pathlib import Path
@@ -140,6 +141,16 @@ def test_pruning_keeps_the_schedules_token_counts_and_unpatch_restores_everythin
     assert_same(before, snapshot(model))
     with torch.no_grad():
         assert torch.equal(main_output(model(x)), expected)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_patched_models_forward_shows_the_original_signature(name):
+    """``Trainer`` keeps the dataset columns that ``forward``'s signature names (``pixel_values``,
+    ``labels``): a ``(*args, **kwargs)`` signature would drop them all."""
+    model = build(name)
+    before = inspect.signature(model.forward)
+    vitprune.patch(model, keep_rate=0.7)
+    assert inspect.signature(model.forward) == before and "pixel_values" in before.parameters
 
 
 @pytest.mark.parametrize("options", [dict(keep_rate=0.5), dict(keep_rate=0.3, stages=(1,))],

@@ -19,7 +19,6 @@ nor ``output_attentions``, the last layer computes the prefix tokens alone.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
 
 import torch
@@ -46,6 +45,7 @@ from .attention import AttentionModule, attend, member, prefix_rows, split_heads
 from ..core.tokens import is_exporting
 from .layouts import PruningBlock, refuse_masks
 from .pooling import size_weighted_mean
+from .signature import showing_signature
 
 
 class _Dropout:
@@ -249,12 +249,9 @@ def _model_class(original: Type[nn.Module], body: Optional[Any] = None) -> type:
     if body is None:
         return original
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return body.forward(self, *args, **kwargs)
-
     patched = type(original.__name__, (body, original),
                    {"__module__": __name__, "__doc__": f"transformers ``{original.__name__}`` while patched.",
-                    "forward": functools.update_wrapper(forward, original.forward)})
+                    "forward": showing_signature(body.forward, original.forward)})
     patched.__qualname__ = f"Prune{original.__name__}"
     return patched
 

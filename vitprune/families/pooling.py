@@ -37,6 +37,7 @@ from ..core.config import keep_count
 from ..core.registry import family_of, original_block_class, timm_blocks
 from ..core.state import eager_if_untraceable
 from ..core.tokens import is_compiling
+from .signature import showing_signature
 
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ else:
 
 #: The attribute ``forward_features`` sets on the features it returns: their token sizes.
 SIZES_ATTR = "_vitprune_sizes"
+
+#: The methods of :class:`PrunedModel` that take ``(*args, **kwargs)`` and hand them to timm's:
+#: each patched class shows timm's signature for them (``signature.showing_signature``).
+_SHOWN_SIGNATURES = ("forward", "forward_features", "forward_intermediates")
 
 
 def _token_head_reason(model: Any) -> "str | None":
@@ -126,6 +131,11 @@ class PrunedModel(_TimmModel):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        timm_class = super(PrunedModel, cls)
+        for name in _SHOWN_SIGNATURES:  # these take (*args, **kwargs): show timm's parameters
+            original = getattr(timm_class, name, None)
+            if original is not None:
+                setattr(cls, name, showing_signature(getattr(cls, name), original))
         method = getattr(super(PrunedModel, cls), "forward_intermediates", None)
         if method is not None:
             parameters = list(inspect.signature(method).parameters.values())[1:]
