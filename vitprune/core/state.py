@@ -299,6 +299,13 @@ class PruneState:
     def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
         """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`."""
         P, records = self.num_prefix, self.records
+        if is_exporting() and isinstance(x.shape[1], torch.SymInt):
+            raise ValueError(
+                "vitprune: torch.export was asked for a dynamic image size, but a patched model's token "
+                "counts are fixed for each image size, so its graph cannot hold every size; mark only the "
+                "batch dimension dynamic (dynamic_shapes={'x': {0: Dim('batch')}}) and export once per image "
+                "size (torch.compile handles several sizes itself)"
+            )
         B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
         if stage == 0:
             records.patches = n
