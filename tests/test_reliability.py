@@ -201,6 +201,23 @@ def test_scripting_a_patched_model_says_it_is_not_supported():
         torch.jit.script(model)
 
 
+@pytest.mark.parametrize("trace", [
+    torch.fx.symbolic_trace,
+    lambda m: timm.models.create_feature_extractor(m, return_nodes={"blocks.1": "mid"}),
+], ids=["symbolic_trace", "timm fx feature extractor"])
+def test_fx_tracing_a_patched_model_says_what_works_instead(trace):
+    """fx's proxies have no shapes; before, the trace failed in a block complaining of masks
+    the user never passed (fx's placeholder for timm's ``attn_mask``)."""
+    model = vitprune.patch(tiny(), keep_rate=0.5)
+    x = torch.randn(2, 3, *model.patch_embed.img_size)
+    with torch.no_grad():
+        expected = model(x)
+    with pytest.raises(TypeError, match=r"torch\.fx cannot trace a patched model.*forward_intermediates"):
+        trace(model)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
 def test_visualize_errors_name_the_problem():
     model = vitprune.patch(tiny(), keep_rate=0.5)
     with pytest.raises(ValueError, match="must be \\(C, H, W\\) or \\(B, C, H, W\\), got shape \\(64, 64\\)"):

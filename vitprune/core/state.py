@@ -122,12 +122,24 @@ class ForwardRecords:
 DYNAMO_TRACES_RECORDS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
 
 
-def eager_if_untraceable(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``method(*args, **kwargs)``; while ``torch.compile`` traces it on a torch that cannot
-    trace the per-thread records (:data:`DYNAMO_TRACES_RECORDS`), run eagerly instead: the
-    eager outputs inside the compiled caller (the README says so). Every patched method that
-    reads or writes the records from the outside (the model's ``forward``,
-    ``forward_features``, ``forward_intermediates``, its pooling) calls through this."""
+def enter(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``method(*args, **kwargs)``, as every patched model method that reads or writes the
+    per-thread records from outside the blocks is entered (the model's ``forward``,
+    ``forward_features``, ``forward_intermediates``, its pooling), under whatever traces it:
+
+    - ``torch.fx`` symbolic tracing (``torch.fx.symbolic_trace``, timm's fx feature
+      extractor) is refused with a ``TypeError`` saying what works instead: the token
+      counts and the records need real shapes, which fx's proxies do not have;
+    - ``torch.compile`` on a torch that cannot trace the records
+      (:data:`DYNAMO_TRACES_RECORDS`) runs the method eagerly inside the compiled caller:
+      the eager outputs (the README says so)."""
+    if any(isinstance(value, torch.fx.Proxy) for value in (*args, *kwargs.values())):
+        raise TypeError(
+            "vitprune: torch.fx cannot trace a patched model (its token counts and per-call records need "
+            "real tensor shapes); for intermediate features use model.forward_intermediates (what timm's "
+            "features_only=True models call), trace with torch.compile or torch.export, or "
+            "vitprune.unpatch the model first"
+        )
     if is_compiling() and not DYNAMO_TRACES_RECORDS:
         return torch._dynamo.disable(method)(*args, **kwargs)
     return method(*args, **kwargs)
@@ -247,7 +259,7 @@ class PruneState:
         """``forward(*args, **kwargs)``, the model's own ``forward``, with :attr:`head_only` set
         for this call and :attr:`in_forward` while it runs (what a patched model's ``forward``
         wraps around its class's)."""
-        return eager_if_untraceable(self._run_forward, head_only, forward, *args, **kwargs)
+        return enter(self._run_forward, head_only, forward, *args, **kwargs)
 
     def _run_forward(self, head_only: bool, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.head_only = head_only

@@ -35,7 +35,7 @@ from timm.models._features import feature_take_indices
 
 from ..core.config import keep_count
 from ..core.registry import family_of, original_block_class, timm_blocks
-from ..core.state import eager_if_untraceable
+from ..core.state import enter
 from ..core.tokens import is_compiling
 from .signature import showing_signature
 
@@ -184,7 +184,7 @@ class PrunedModel(_TimmModel):
         return state.run_forward(head_only, super().forward, *args, **kwargs)
 
     def forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return eager_if_untraceable(self._vitprune_forward_features, *args, **kwargs)
+        return enter(self._vitprune_forward_features, *args, **kwargs)
 
     def _vitprune_forward_features(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         state = self.vitprune_state
@@ -194,7 +194,7 @@ class PrunedModel(_TimmModel):
         return _mark(features, state.sizes)
 
     def pool(self, x: torch.Tensor, pool_type: "str | None" = None) -> torch.Tensor:
-        return eager_if_untraceable(self._vitprune_pool, x, pool_type)
+        return enter(self._vitprune_pool, x, pool_type)
 
     def _vitprune_pool(self, x: torch.Tensor, pool_type: "str | None") -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
@@ -217,7 +217,7 @@ class PrunedModel(_TimmModel):
         return bool(getattr(self, "pool_include_prefix", False))
 
     def forward_intermediates(self, *args: Any, **kwargs: Any):
-        return eager_if_untraceable(self._vitprune_forward_intermediates, *args, **kwargs)
+        return enter(self._vitprune_forward_intermediates, *args, **kwargs)
 
     def _vitprune_forward_intermediates(self, *args: Any, **kwargs: Any):
         names, defaults = self._vitprune_intermediates_names, self._vitprune_intermediates_defaults
@@ -281,7 +281,7 @@ class MeanPoolingHead(_TimmModel):
     """For models whose ``forward_head`` averages inline (BEiT, relpos): the same, size-weighted."""
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return eager_if_untraceable(self._vitprune_forward_head, x, pre_logits)
+        return enter(self._vitprune_forward_head, x, pre_logits)
 
     def _vitprune_forward_head(self, x: torch.Tensor, pre_logits: bool) -> torch.Tensor:
         sizes = self._vitprune_sizes(x)
