@@ -218,7 +218,8 @@ def test_fx_tracing_a_patched_model_says_what_works_instead(trace):
         assert torch.equal(model(x), expected)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # the exporter is deprecated
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",  # the exporter is deprecated
+                            "ignore::torch.jit.TracerWarning")  # timm and transformers code before the refusal
 def test_the_torchscript_onnx_exporter_is_refused_naming_the_one_that_works(tmp_path):
     """Before, it failed on the stable sort; with ``topk`` in its place its graph of the
     defaults gave other logits than the model (by 0.1 to 0.35 on a random deit_tiny)."""

@@ -320,6 +320,17 @@ def test_onnx_export_reproduces_eager_in_onnxruntime(tmp_path, name, options):
     assert abs(onnxruntime_output(model, x, tmp_path) - expected).max() < 1e-4
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning",  # the exporter is deprecated
+                            "ignore::torch.jit.TracerWarning")  # timm and transformers code before the refusal
+@pytest.mark.parametrize("name", ["ViTModel", "ViTForImageClassification"])
+def test_the_torchscript_onnx_exporter_is_refused_for_backbones_and_classifiers(tmp_path, name):
+    from test_transformers import MainOutput
+
+    model, x = MainOutput(vitprune.patch(build(name), keep_rate=0.6)).eval(), torch.randn(2, 3, 32, 32)
+    with pytest.raises(TypeError, match=r"TorchScript-based ONNX exporter.*dynamo=True"):
+        torch.onnx.export(model, (x,), str(tmp_path / "model.onnx"), dynamo=False)
+
+
 @pytest.mark.parametrize("pretrained", [True, False])
 def test_a_full_clip_checkpoint_loads_as_its_vision_tower(tmp_path, pretrained):
     from vitprune.data.hf_models import load_transformers_model

@@ -130,9 +130,6 @@ def enter(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     - ``torch.fx`` symbolic tracing (``torch.fx.symbolic_trace``, timm's fx feature
       extractor) is refused with a ``TypeError`` saying what works instead: the token
       counts and the records need real shapes, which fx's proxies do not have;
-    - so is the TorchScript-based ONNX exporter (``dynamo=False``): it has no stable sort,
-      and given one (``topk``) it exported the defaults' merges wrongly (logits off by 0.1
-      to 0.35 in onnxruntime on a random deit_tiny; ``torch.jit.trace`` itself is exact);
     - ``torch.compile`` on a torch that cannot trace the records
       (:data:`DYNAMO_TRACES_RECORDS`) runs the method eagerly inside the compiled caller:
       the eager outputs (the README says so)."""
@@ -142,12 +139,6 @@ def enter(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             "real tensor shapes); for intermediate features use model.forward_intermediates (what timm's "
             "features_only=True models call), trace with torch.compile or torch.export, or "
             "vitprune.unpatch the model first"
-        )
-    if torch.onnx.is_in_onnx_export() and not is_exporting():
-        raise TypeError(
-            "vitprune: the TorchScript-based ONNX exporter (torch.onnx.export(..., dynamo=False)) cannot "
-            "export a patched model (it has no stable sort, and given topk instead its graph of the merges "
-            "computed other outputs); use torch.onnx.export(..., dynamo=True), or torch.export"
         )
     if is_compiling() and not DYNAMO_TRACES_RECORDS:
         return torch._dynamo.disable(method)(*args, **kwargs)
@@ -318,8 +309,19 @@ class PruneState:
         return None if sizes is None or sizes.shape != shape else sizes
 
     def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
-        """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`."""
+        """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`.
+
+        Raises:
+            TypeError: The TorchScript-based ONNX exporter is tracing (it cannot export a reduction).
+            ValueError: ``torch.export`` traces a dynamic image size (token counts are fixed per size).
+        """
         P, records = self.num_prefix, self.records
+        if torch.onnx.is_in_onnx_export() and not is_exporting():  # the TorchScript-based exporter
+            raise TypeError(
+                "vitprune: the TorchScript-based ONNX exporter (torch.onnx.export(..., dynamo=False)) cannot "
+                "export a patched model (it has no stable sort, and given topk instead its graph of the merges "
+                "computed other outputs); use torch.onnx.export(..., dynamo=True), or torch.export"
+            )
         if is_exporting() and isinstance(x.shape[1], torch.SymInt):
             raise ValueError(
                 "vitprune: torch.export was asked for a dynamic image size, but a patched model's token "
