@@ -57,7 +57,7 @@ def test_export_and_onnx_with_a_dynamic_batch_named_as_timm_names_it(tmp_path, o
 def test_export_with_a_dynamic_image_size_is_refused_at_once(options):
     """Token counts are fixed per image size. Before this was refused, torch.export traced on
     with symbolic counts and failed on a guard at the end: after 9 s for 4 blocks, 46 s for
-    6, and not within 10 minutes for the 12 of deit_small."""
+    6, and not within 10 minutes for 12 (deit_tiny)."""
     from torch.export import Dim
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, dynamic_img_size=True).eval()
     vitprune.patch(model, **{"keep_rate": 0.7, **options})
