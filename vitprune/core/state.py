@@ -308,14 +308,15 @@ class PruneState:
         sizes = records.stage_sizes.get(stage)
         return None if sizes is None or sizes.shape != shape else sizes
 
-    def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
-        """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`.
+    @staticmethod
+    def _refuse_tracers(x: torch.Tensor) -> None:
+        """Refuse the tracers that cannot hold a reduction of tokens ``x`` (at the first stage:
+        every forward reaches it before any other).
 
         Raises:
             TypeError: The TorchScript-based ONNX exporter is tracing (it cannot export a reduction).
             ValueError: ``torch.export`` traces a dynamic image size (token counts are fixed per size).
         """
-        P, records = self.num_prefix, self.records
         if torch.onnx.is_in_onnx_export() and not is_exporting():  # the TorchScript-based exporter
             raise TypeError(
                 "vitprune: the TorchScript-based ONNX exporter (torch.onnx.export(..., dynamo=False)) cannot "
@@ -329,6 +330,17 @@ class PruneState:
                 "batch dimension dynamic (dynamic_shapes={'x': {0: Dim('batch')}}) and export once per image "
                 "size (torch.compile handles several sizes itself)"
             )
+
+    def prune(self, x: torch.Tensor, scored: Scored, stage: int) -> torch.Tensor:
+        """Apply reduction stage ``stage`` to tokens ``x`` given the block's :class:`Scored`.
+
+        Raises:
+            TypeError, ValueError: At the first stage, under a tracer that cannot hold a
+                reduction (:meth:`_refuse_tracers`).
+        """
+        P, records = self.num_prefix, self.records
+        if stage == 0:
+            self._refuse_tracers(x)
         B, n = x.shape[0], int(x.shape[1]) - P  # int(): a traced shape is a tensor
         if stage == 0:
             records.patches = n

@@ -136,7 +136,7 @@ class PrunedModel(_TimmModel):
             original = getattr(timm_class, name, None)
             if original is not None:
                 setattr(cls, name, showing_signature(getattr(cls, name), original))
-        method = getattr(super(PrunedModel, cls), "forward_intermediates", None)
+        method = getattr(timm_class, "forward_intermediates", None)
         if method is not None:
             parameters = list(inspect.signature(method).parameters.values())[1:]
             cls._vitprune_intermediates_names = tuple(p.name for p in parameters)

@@ -13,13 +13,9 @@ def showing_signature(body: Callable[..., Any], original: Callable[..., Any]) ->
     patch, whatever its parameters are; tools that read a model's parameters by name must
     still find the original's: ``torch.export``'s ``dynamic_shapes={"x": ...}``,
     ``transformers``' ``Trainer`` (it keeps the dataset columns ``forward`` takes).
-    ``inspect.signature`` follows ``__wrapped__`` to ``original``. A ``body`` that is such a
-    method already (a patched class subclassed again) is run directly, not wrapped twice."""
-    body = getattr(body, "vitprune_body", body)
+    ``inspect.signature`` follows ``__wrapped__`` to ``original``."""
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return body(self, *args, **kwargs)
 
-    shown = functools.update_wrapper(method, original)
-    setattr(shown, "vitprune_body", body)
-    return shown
+    return functools.update_wrapper(method, original)
