@@ -159,6 +159,36 @@ def assert_class_only_exact(model, x, fused, atol):
         torch.testing.assert_close(model.forward_features(x), features)  # called directly: every token
 
 
+def assert_hooked_projections_run_as_in_timm(model, x, atol):
+    """A forward hook that changes the output of each projection of the last block's
+    attention (a fused ``qkv``, or ``q_proj``/``k_proj``/``v_proj``) runs in a patched forward
+    whose last block computes the prefix tokens alone, as often as in timm, and with nothing
+    reduced gives the unpatched model's logits with the same hook; a fused ``qkv`` that timm
+    calls sees every token there too. Patches ``model``."""
+    import vitprune
+
+    attn = model.blocks[-1].attn
+    layers = {name: getattr(attn, name) for name in ("qkv", "q_proj", "k_proj", "v_proj")
+              if isinstance(getattr(attn, name, None), torch.nn.Module)}
+    seen = []
+
+    def change(module, args, out, name=None):
+        seen.append((name, out.shape[1]))
+        return out * 1.5
+
+    for name, layer in layers.items():
+        layer.register_forward_hook(lambda m, a, o, name=name: change(m, a, o, name))
+    with torch.no_grad():
+        expected, in_timm = model(x), list(seen)
+    seen.clear()
+    vitprune.patch(model, keep_rate=1.0, class_only_last=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=atol)
+    assert [name for name, _ in seen] == [name for name, _ in in_timm] and layers
+    if "qkv" in layers:
+        assert seen == in_timm
+
+
 def assert_training_step_kept(model, forward):
     """Dropout on in ``model`` (train mode, float64): with the same seed, a patch at keep 1.0 in
     every block (every token through the last) gives its training forward and every gradient

@@ -15,7 +15,8 @@ from timm.models.vision_transformer import ParallelScalingBlock, ResPostBlock
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, assert_class_only_exact, assert_same, make_visible, snapshot
+from conftest import (PAPER, assert_class_only_exact, assert_hooked_projections_run_as_in_timm, assert_same,
+                      make_visible, snapshot)
 from vitprune.measure.baseline import fit_merging
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
@@ -53,6 +54,15 @@ def logits(model, x):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
     assert_class_only_exact(build(kind), images(), fused, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_hook_on_the_last_qkv_runs_on_every_token_as_in_timm(kind):
+    """The prefix tokens' queries come from a slice of ``qkv``'s weight, so its hooks would not
+    run: a hooked ``qkv`` is called as timm calls it, and a hook that changes its output
+    changes the logits as it does in timm."""
+    model = build(kind)
+    assert_hooked_projections_run_as_in_timm(model, images(), atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])

@@ -14,7 +14,8 @@ from timm.models.vision_transformer_relpos import RelPosAttention
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, assert_class_only_exact, assert_same, available, make_visible, snapshot
+from conftest import (PAPER, assert_class_only_exact, assert_hooked_projections_run_as_in_timm, assert_same,
+                      available, make_visible, snapshot)
 from vitprune.families.relpos import follow_bias
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
@@ -64,6 +65,14 @@ def logits(model, x):
 def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
     model = build(kind)
     assert_class_only_exact(model, images(model), fused, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_hooks_on_the_last_projections_run_as_in_timm(kind):
+    """A fused ``qkv`` that timm calls is called on every token where it is hooked (BEiT's and
+    Eva's with q/v biases are not called by timm either); separate projections always run."""
+    model = build(kind)
+    assert_hooked_projections_run_as_in_timm(model, images(model), atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -297,7 +297,7 @@ def test_hooks_on_an_attention_the_patch_runs_itself_are_named_and_its_layers_ho
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         vitprune.patch(model, keep_rate=0.7)
-    named = [str(w.message) for w in caught if "forward hooks" in str(w.message)]
+    named = [str(w.message) for w in caught if "hooks registered on" in str(w.message)]
     if attentions:
         expected = ", ".join(f"blocks.1.{path}" for path in attentions)
         assert len(named) == 1 and f"will not run while the model is patched: {expected};" in named[0]
@@ -306,6 +306,41 @@ def test_hooks_on_an_attention_the_patch_runs_itself_are_named_and_its_layers_ho
     with torch.no_grad():
         model(images(model))
     assert sorted(ran) == in_timm
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_hook_added_after_patch_to_an_attention_the_patch_runs_itself_is_named_once(name):
+    """Registered after ``patch``, such a hook would go silent unseen: the block's first
+    eager call names it, once; a hook ``patch`` already named is not named again."""
+    import warnings
+
+    from vitprune.core.registry import family_of
+
+    model = build(name)
+    attentions = family_of(model).attention_modules(model.blocks[2])
+    for attn in attentions.values():
+        attn.register_forward_hook(lambda *a: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # patch names these
+        vitprune.patch(model, keep_rate=0.7)
+    attentions = family_of(model).attention_modules(model.blocks[1])
+    for attn in attentions.values():
+        attn.register_forward_pre_hook(lambda *a: None)
+
+    def named_by_a_call():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model(images(model))
+        return [str(w.message) for w in caught if "after patch" in str(w.message)]
+
+    first, second = named_by_a_call(), named_by_a_call()
+    if attentions:
+        expected = ", ".join(f"blocks.1.{path}" for path in attentions)
+        assert len(first) == 1 and f"hooks were registered on {expected} after patch;" in first[0]
+    else:  # ParallelScalingBlock: one fused projection, no attention module
+        assert first == []
+    assert second == []
 
 
 def test_a_patch_without_hooks_on_attention_modules_warns_nothing():

@@ -335,5 +335,27 @@ def test_a_hook_on_an_attention_module_the_patch_runs_itself_is_named():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         vitprune.patch(model, keep_rate=0.7)
-    named = [str(w.message) for w in caught if "forward hooks" in str(w.message)]
+    named = [str(w.message) for w in caught if "hooks registered on" in str(w.message)]
     assert len(named) == 1 and re.search(r"will not run while the model is patched: [\w.]+\.2\.attention;", named[0])
+
+
+def test_a_hook_added_after_patch_to_an_attention_module_the_patch_runs_itself_is_named_once():
+    from vitprune.core.registry import blocks_of
+
+    import warnings
+
+    model = vitprune.patch(build("ViTForImageClassification"), keep_rate=0.7)
+    with torch.no_grad():  # transformers' own recorders on every attention module are not named
+        model(pixel_values=images(), output_attentions=True, output_hidden_states=True)
+    blocks_of(model)[1].attention.register_forward_hook(lambda *a: None)
+
+    def named_by_a_call():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model(pixel_values=images())
+        return [str(w.message) for w in caught if "after patch" in str(w.message)]
+
+    first, second = named_by_a_call(), named_by_a_call()
+    assert len(first) == 1 and re.search(r"hooks were registered on [\w.]+\.1\.attention after patch;", first[0])
+    assert second == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, List, NoReturn, Optional, Sequence, Union
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from .. import families as _registered  # noqa: F401  (importing it registers the timm families)
 from .config import Indicator, PruneConfig, Reduction, Selection, Stages, is_spread
+from .hooks import bypassed, warn_of_bypassed_hooks
 from .overlap import apply_overlap, check_overlap, remove_overlap
 from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, grid_patches, is_patched_model,
                        is_pruning_block, original_block_class, original_model_class)
@@ -90,35 +90,6 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
                 f"block {index} uses attention {type(attn).__name__} ({name}); vitprune can prune "
                 f"{original.__name__} blocks with timm's {accepted}"
             )
-
-
-def _users_hook(hook: Any) -> bool:
-    """Not ``transformers``' own: it hooks attention modules to record their outputs when a
-    call asks for them, which the patched layers serve themselves (``output_attentions``)."""
-    return not str(getattr(hook, "__module__", "")).startswith("transformers.")
-
-
-def _warn_of_bypassed_hooks(model: nn.Module, family: Family, swapped: Sequence[int]) -> None:
-    """Warn where a block ``patch`` swaps has forward hooks on an attention module (or a
-    container of one) that its pruning forward does not call: it runs that attention's layers
-    itself, to read the scored row, so those hooks would stop running unnoticed."""
-    blocks = family.blocks_of(model)
-    prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
-    silenced = []
-    for index in swapped:
-        block = blocks[index]
-        for name in family.attention_modules(block):
-            parts = name.split(".")
-            for depth in range(1, len(parts) + 1):
-                path = ".".join(parts[:depth])
-                module = block.get_submodule(path)
-                if any(_users_hook(hook) for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())):
-                    silenced.append(f"{prefix}.{index}.{path}")
-    if silenced:
-        warnings.warn(
-            f"vitprune runs the layers of these attention modules itself, so the forward hooks registered on "
-            f"them will not run while the model is patched: {', '.join(dict.fromkeys(silenced))}; hook the block, "
-            "or the attention's own layers (its projections), which still run", UserWarning, stacklevel=3)
 
 
 def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
@@ -289,7 +260,9 @@ def patch(
     gen = _make_generator(cfg, generator)
     if cfg.overlap_stride is not None:
         check_model_overlap(model, family, cfg.overlap_stride)
-    _warn_of_bypassed_hooks(model, family, sorted(plan))
+    prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
+    where = {index: bypassed(family, blocks[index], f"{prefix}.{index}") for index in sorted(plan)}
+    warn_of_bypassed_hooks(blocks, where)
 
     unpatch(model)
     source = "cls" if family.class_token_of(model) else "mean"
@@ -298,10 +271,11 @@ def patch(
         state.overlap = apply_overlap(model, cfg.overlap_stride)
     setattr(model, MODEL_ATTR, state)
     model.__class__ = family.patched
-    swaps = [(blocks[index], number, follow) for index, (number, follow) in plan.items()]
-    for module, number, follow in swaps + [(extra, None, None) for extra in family.extras(model)]:
+    swaps = [(blocks[index], number, follow, where[index]) for index, (number, follow) in plan.items()]
+    for module, number, follow, skipped in swaps + [(extra, None, None, ()) for extra in family.extras(model)]:
         module.__class__ = family.blocks[type(module)]
-        for name, value in (("vitprune_state", state), ("vitprune_stage", number), ("vitprune_follow", follow)):
+        for name, value in (("vitprune_state", state), ("vitprune_stage", number), ("vitprune_follow", follow),
+                            ("vitprune_bypassed", skipped)):
             setattr(module, name, value)
     if cfg.class_only_last:
         setattr(blocks[-1], "vitprune_class_only", True)

@@ -176,7 +176,7 @@ class Family:
 
 
 #: Attributes ``patch`` adds to a block it swaps; ``unpatch`` deletes exactly these.
-BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow", "vitprune_class_only")
+BLOCK_ATTRS = ("vitprune_state", "vitprune_stage", "vitprune_follow", "vitprune_class_only", "vitprune_bypassed")
 
 _FAMILIES: Dict[type, Family] = {}
 _PATCHED: Dict[type, Family] = {}

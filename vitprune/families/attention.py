@@ -17,6 +17,7 @@ from timm.layers import apply_rot_embed_cat
 from timm.models.vision_transformer import ParallelScalingBlock
 from torch import nn
 
+from ..core.hooks import hooked_by_user
 from ..core.state import Scored
 
 #: A timm or ``transformers`` attention module, read by attribute name: their attributes differ
@@ -296,9 +297,13 @@ def project_prefix_qkv(attn: AttentionModule, x: torch.Tensor, num_prefix: int
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`project_qkv` with queries for the first ``num_prefix`` tokens only: ``q``
     ``(B, heads, P, d)``, ``k`` and ``v`` of every token. A fused ``qkv`` runs as two products
-    on slices of its weight (and of its bias, or of EVA's ``q_bias``/``k_bias``/``v_bias``)."""
+    on slices of its weight (and of its bias, or of EVA's ``q_bias``/``k_bias``/``v_bias``),
+    unless the user hooked it where timm calls it: then it is called, on every token."""
     B, L, _ = x.shape
     prefix = x[:, :num_prefix]
+    if attn.qkv is not None and hooked_by_user(attn.qkv) and (own_qkv_bias(attn) is None or attn.qkv_bias_separate):
+        q, k, v = project_qkv(attn, x)  # called as timm calls it, so its hooks see every token
+        return q[:, :, :num_prefix], k, v
     if attn.qkv is None:
         kv_heads = member(attn, "num_kv_heads", attn.num_heads)
         q = split_heads(attn.q_proj(prefix), attn.num_heads).transpose(1, 2)

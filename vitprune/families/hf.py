@@ -131,6 +131,8 @@ class _HFLayer(PruningBlock):
         norm1, attention, scale1, drop, norm2, mlp, scale2 = self._vitprune_names
         state, x = self.vitprune_state, hidden_states
         bias = self._vitprune_begin(x)
+        if not kwargs.get("output_attentions"):  # with it the attention module runs too (below)
+            self._vitprune_watch()
         if self.vitprune_class_only and self._vitprune_head_only():
             P = state.num_prefix
             out = hf_prefix_attention(getattr(self, attention), getattr(self, norm1)(x), P, bias)

@@ -15,11 +15,13 @@ bias; rope; relative bias).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple, cast
 
 import torch
 
+from ..core.hooks import Bypassed, warn_of_new_hooks
 from ..core.state import PruneState, Scored
+from ..core.tokens import is_compiling
 
 
 def refuse_masks(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
@@ -38,6 +40,7 @@ class PruningBlock:
     vitprune_stage: Optional[int]  # this block's stage number, or None: it only follows a stage
     vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
     vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out in forward
+    vitprune_bypassed: Bypassed = ()  # the modules (attention and holders) whose forward it does not call
     # the block's own submodules the layouts call, as each timm block class types them
     attn: Any
     norm1: Any
@@ -56,6 +59,12 @@ class PruningBlock:
     def _vitprune_begin(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The size-aware attention bias for ``x`` (see ``PruneState.begin``)."""
         return self.vitprune_state.begin(x, self.vitprune_stage, self.vitprune_follow)
+
+    def _vitprune_watch(self) -> None:
+        """Name, once, hooks registered since ``patch`` on the modules whose forward this call
+        does not call (``vitprune_bypassed``); eager calls only (a compiled graph is fixed)."""
+        if self.vitprune_bypassed and not is_compiling():
+            warn_of_new_hooks(cast(torch.nn.Module, self), self.vitprune_bypassed)
 
     def _vitprune_reduce(self, x: torch.Tensor, scored: Scored) -> torch.Tensor:
         """The reduction step at a stage; nothing for a block that only follows."""
@@ -99,12 +108,14 @@ class PreNorm(PruningBlock):
     (timm's ``Block``, ``EvaBlock``, BEiT's and relpos's ``Block``)."""
 
     def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        self._vitprune_watch()
         out, scored = self._vitprune_attention(self.norm1(x), context)
         x = self._vitprune_reduce(x + self.drop_path1(_scaled(self, 1, out)), scored)
         return x + self.drop_path2(_scaled(self, 2, self.mlp(self.norm2(x))))
 
     def _vitprune_prefix_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
         """The block's output for the prefix tokens only (``class_only_last``)."""
+        self._vitprune_watch()
         P = self.vitprune_state.num_prefix
         x = x[:, :P] + self.drop_path1(_scaled(self, 1, self._vitprune_prefix_attention(self.norm1(x), context)))
         return x + self.drop_path2(_scaled(self, 2, self.mlp(self.norm2(x))))
@@ -115,12 +126,14 @@ class ResPost(PruningBlock):
     (timm's ``ResPostBlock``, ``EvaBlockPostNorm``, ``ResPostRelPosBlock``)."""
 
     def _vitprune_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
+        self._vitprune_watch()
         out, scored = self._vitprune_attention(x, context)
         x = self._vitprune_reduce(x + self.drop_path1(self.norm1(out)), scored)
         return x + self.drop_path2(self.norm2(self.mlp(x)))
 
     def _vitprune_prefix_forward(self, x: torch.Tensor, context: Any) -> torch.Tensor:
         """The block's output for the prefix tokens only (``class_only_last``)."""
+        self._vitprune_watch()
         P = self.vitprune_state.num_prefix
         x = x[:, :P] + self.drop_path1(self.norm1(self._vitprune_prefix_attention(x, context)))
         return x + self.drop_path2(self.norm2(self.mlp(x)))

@@ -62,6 +62,7 @@ class PruneParallelThingsBlock(_ViTBlock, ParallelThingsBlock):
     ffns: Any
 
     def _vitprune_forward(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        self._vitprune_watch()
         state, outs, parts = self.vitprune_state, [], []
         for branch in self.attns:
             out, scored = attention_with_row(branch.attn, branch.norm(x), state.num_prefix, state.row_source, bias)
