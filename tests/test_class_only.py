@@ -65,6 +65,30 @@ def test_a_hook_on_the_last_qkv_runs_on_every_token_as_in_timm(kind):
     assert_hooked_projections_run_as_in_timm(model, images(), atol=1e-6)
 
 
+def test_torch_pruning_of_the_last_qkv_trains_as_on_the_unpatched_model():
+    """``torch.nn.utils.prune`` recomputes ``qkv.weight`` in a forward pre-hook; read without
+    calling ``qkv``, the weight was the one computed at pruning, whose graph the first
+    backward freed (the second training step failed)."""
+    from torch.nn.utils import prune
+
+    x, labels = images(), torch.tensor([0, 1, 2])
+
+    def trained(model):
+        prune.l1_unstructured(model.blocks[-1].attn.qkv, "weight", amount=0.5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.train()
+        for _ in range(2):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), labels).backward()
+            optimizer.step()
+        return logits(model.eval(), x)
+
+    expected = trained(build("class token"))
+    model = vitprune.patch(build("class token"), keep_rate=1.0)
+    assert model.blocks[-1].vitprune_class_only
+    assert_close(trained(model), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])
 @pytest.mark.parametrize("options", [{}, dict(keep_rate=0.4), PAPER, dict(indicator="var", keep_rate=0.5)], ids=str)
 def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
