@@ -189,6 +189,19 @@ def assert_hooked_projections_run_as_in_timm(model, x, atol):
         assert seen == in_timm
 
 
+def trained_logits(model, x, labels, steps=2, lr=0.1):
+    """``model``'s eval-mode logits on ``x`` after ``steps`` SGD steps of cross-entropy on
+    ``(x, labels)`` in train mode (the optimizer made first, from the parameters as they are)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), labels).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return model.eval()(x)
+
+
 def assert_training_step_kept(model, forward):
     """Dropout on in ``model`` (train mode, float64): with the same seed, a patch at keep 1.0 in
     every block (every token through the last) gives its training forward and every gradient

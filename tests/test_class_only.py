@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import vitprune
 from conftest import (PAPER, assert_class_only_exact, assert_hooked_projections_run_as_in_timm, assert_same,
-                      make_visible, snapshot)
+                      make_visible, snapshot, trained_logits)
 from vitprune.measure.baseline import fit_merging
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
@@ -75,13 +75,7 @@ def test_torch_pruning_of_the_last_qkv_trains_as_on_the_unpatched_model():
 
     def trained(model):
         prune.l1_unstructured(model.blocks[-1].attn.qkv, "weight", amount=0.5)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model.train()
-        for _ in range(2):
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), labels).backward()
-            optimizer.step()
-        return logits(model.eval(), x)
+        return trained_logits(model, x, labels)
 
     expected = trained(build("class token"))
     model = vitprune.patch(build("class token"), keep_rate=1.0)

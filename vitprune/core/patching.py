@@ -12,8 +12,8 @@ from .. import families as _registered  # noqa: F401  (importing it registers th
 from .config import Indicator, PruneConfig, Reduction, Selection, Stages, is_spread
 from .hooks import bypassed, warn_of_bypassed_hooks
 from .overlap import apply_overlap, check_overlap, remove_overlap
-from .registry import (BLOCK_ATTRS, REFUSED, Family, families, family_of, grid_patches, is_patched_model,
-                       is_pruning_block, original_block_class, original_model_class)
+from .registry import (BLOCK_ATTRS, REFUSED, SHARDED, Family, families, family_of, grid_patches, holds_patch,
+                       is_patched_model, is_pruning_block, original_block_class, original_model_class, sharded)
 from .state import PruneState
 
 MODEL_ATTR = "vitprune_state"
@@ -30,10 +30,10 @@ def supported_models() -> "tuple[type, ...]":
 
 def check_model(model: nn.Module) -> Family:
     """The family of ``model``; ``TypeError`` unless it is a ViT this version can prune."""
-    family = family_of(model)
+    family = None if sharded(model) else family_of(model)
     if family is None:
         kind = original_model_class(model)
-        reason = REFUSED.get(kind.__name__)
+        reason = SHARDED if sharded(model) else REFUSED.get(kind.__name__)
         why = f": {reason}" if reason else ""
         names = ", ".join(f"{f.library} {f.model.__name__}" for f in families())
         examples = "; ".join(dict.fromkeys(f.examples for f in families() if f.examples))
@@ -81,7 +81,8 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
         original = original_block_class(block)
         if original not in family.blocks:
             known = ", ".join(cls.__name__ for cls in family.blocks)
-            raise TypeError(f"block {index} is a {original.__name__}; vitprune can prune in: {known}")
+            why = f" ({SHARDED})" if sharded(block) else ""
+            raise TypeError(f"block {index} is a {original.__name__}{why}; vitprune can prune in: {known}")
         if number is None and not family.check_followers:
             continue  # a block that only follows runs its own forward
         for name, attn in family.foreign_attention(block).items():
@@ -289,9 +290,15 @@ def unpatch(model: nn.Module) -> nn.Module:
     (with ``overlap_stride``, in the dtype and on the device the model has now), and
     deletes every attribute the patch added. ``model`` may also hold patched models (an
     ``nn.Sequential`` around one, say): each of them is unpatched.
+
+    Raises:
+        TypeError: ``fully_shard`` (FSDP2) was applied after ``patch`` (nothing is changed).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    held = next((name for name, module in model.named_modules() if sharded(module) and holds_patch(module)), None)
+    if held is not None:  # its class is fully_shard's subclass of vitprune's: restoring one would drop the other
+        raise TypeError(f"vitprune cannot unpatch {held or 'the model'}: {SHARDED}")
     for module in list(model.modules()):
         if is_pruning_block(module):
             module.__class__ = original_block_class(module)
@@ -309,7 +316,7 @@ def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` is currently patched by vitprune."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return MODEL_ATTR in model.__dict__ and is_patched_model(model)
+    return MODEL_ATTR in model.__dict__ and holds_patch(model)  # fully_shard subclasses the patched class
 
 
 def state_of(model: nn.Module) -> PruneState:

@@ -230,6 +230,8 @@ LAZY_FAMILIES = {"transformers.": "vitprune.families.hf"}
 def family_of(model: nn.Module) -> Optional[Family]:
     """The family of ``model`` (patched or not), or ``None`` when it has none."""
     found = _FAMILIES.get(type(model)) or _PATCHED.get(type(model))
+    if found is None and sharded(model):  # fully_shard's FSDP<class> of a patched model: it runs patched
+        return next((_PATCHED[c] for c in type(model).__mro__ if c in _PATCHED), None)
     if found is None:
         for prefix, module in LAZY_FAMILIES.items():
             if type(model).__module__.startswith(prefix) and module not in sys.modules:
@@ -251,8 +253,12 @@ def original_model_class(model: nn.Module) -> type:
 
 
 def original_block_class(block: nn.Module) -> type:
-    """The class ``block`` had before ``patch`` (its own class when not swapped)."""
-    return _PRUNING_BLOCKS.get(type(block), type(block))
+    """The class ``block`` had before ``patch`` (its own class when not swapped; for one that
+    ``fully_shard`` sharded after ``patch``, the class before both)."""
+    kind = type(block)
+    if kind not in _PRUNING_BLOCKS and sharded(block):
+        kind = next((c for c in kind.__mro__ if c in _PRUNING_BLOCKS), kind)
+    return _PRUNING_BLOCKS.get(kind, kind)
 
 
 def is_pruning_block(module: nn.Module) -> bool:
@@ -261,3 +267,20 @@ def is_pruning_block(module: nn.Module) -> bool:
 
 def is_patched_model(module: nn.Module) -> bool:
     return type(module) in _PATCHED
+
+
+#: Why a module sharded by ``fully_shard`` cannot be patched or unpatched.
+SHARDED = ("torch.distributed's fully_shard (FSDP2) has given it a class of its own; call vitprune.patch "
+           "(and vitprune.unpatch) before fully_shard: patch the model, then shard its blocks and the model")
+
+
+def sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) has swapped ``module``'s class for a subclass of its own
+    (``FSDP<class>``), which vitprune's class swaps would undo."""
+    return any(c.__name__ == "FSDPModule" and c.__module__.startswith("torch.distributed")
+               for c in type(module).__mro__)
+
+
+def holds_patch(module: nn.Module) -> bool:
+    """Whether ``module``'s class is, or derives from, a class ``patch`` swaps in."""
+    return any(c in _PATCHED or c in _PRUNING_BLOCKS for c in type(module).__mro__)
