@@ -30,10 +30,11 @@ def supported_models() -> "tuple[type, ...]":
 
 def check_model(model: nn.Module) -> Family:
     """The family of ``model``; ``TypeError`` unless it is a ViT this version can prune."""
-    family = None if sharded(model) else family_of(model)
+    shard = sharded(model)  # fully_shard's class, even of a patched model: patch before sharding
+    family = None if shard else family_of(model)
     if family is None:
         kind = original_model_class(model)
-        reason = SHARDED if sharded(model) else REFUSED.get(kind.__name__)
+        reason = SHARDED if shard else REFUSED.get(kind.__name__)
         why = f": {reason}" if reason else ""
         names = ", ".join(f"{f.library} {f.model.__name__}" for f in families())
         examples = "; ".join(dict.fromkeys(f.examples for f in families() if f.examples))
