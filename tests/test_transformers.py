@@ -359,3 +359,27 @@ def test_a_hook_added_after_patch_to_an_attention_module_the_patch_runs_itself_i
     first, second = named_by_a_call(), named_by_a_call()
     assert len(first) == 1 and re.search(r"hooks were registered on [\w.]+\.1\.attention after patch;", first[0])
     assert second == []
+
+
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "Dinov2ForImageClassification",
+                                  "CLIPVisionModelWithProjection"])
+def test_activation_checkpointing_gives_the_same_gradients(name):
+    """``transformers``' checkpointing recomputes each patched layer in the backward pass
+    (the classifiers' last layer with the class token alone): the same gradients."""
+    from vitprune.core.registry import blocks_of
+
+    x = images(batch=3)
+    grads, calls = [], []
+    for checkpointed in (False, True):
+        model = vitprune.patch(build(name), keep_rate=0.6).train()
+        if checkpointed:  # renamed in transformers 5.x; the old name warns
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+        ran, last = [], blocks_of(model)[-1]  # its forward, which transformers checkpoints (not its hooks)
+        last._vitprune_begin = lambda x, begin=last._vitprune_begin: (ran.append(1), begin(x))[1]
+        main_output(model(pixel_values=x)).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        calls.append(len(ran))
+    assert calls == [1, 2]  # the checkpointed layer ran again in the backward pass
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=0, atol=0, msg=n)
