@@ -341,6 +341,33 @@ def test_a_hook_added_after_patch_to_an_attention_the_patch_runs_itself_is_named
     assert second == []
 
 
+@pytest.mark.parametrize("name, followers_run_timm", [("ResPostBlock", True), ("rope ViT (AttentionRope)", True),
+                                                     ("BEiT (relative position bias)", False)])
+@pytest.mark.parametrize("class_only", [False, True])
+def test_patch_names_exactly_the_attention_hooks_that_will_not_run(name, followers_run_timm, class_only):
+    """Blocks after the one stage are swapped too (the size bias; rope and relative bias
+    follow the tokens), but timm's ViT and Eva blocks that only follow run timm's own
+    forward, so their attention's hooks still run and are not named; with the class token
+    alone in the last block, its attention is skipped in ``forward``."""
+    import warnings
+
+    token = dict(global_pool="token", **({} if "BEiT" in name else {"class_token": True}))  # BEiT always has one
+    model = build(name, **token) if class_only else build(name)
+    ran = []
+    for index, block in enumerate(model.blocks):
+        block.attn.register_forward_hook(lambda *a, index=index: ran.append(index))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vitprune.patch(model, keep_rate=0.7, stages=(1,), class_only_last=class_only)
+    named = [str(w.message) for w in caught if "hooks registered on" in str(w.message)]
+    last = len(model.blocks) - 1
+    skipped = [1] + [i for i in range(2, last + 1) if not followers_run_timm or (class_only and i == last)]
+    assert len(named) == 1 and f"patched: {', '.join(f'blocks.{i}.attn' for i in skipped)};" in named[0]
+    with torch.no_grad():
+        model(images(model))
+    assert sorted(ran) == [i for i in range(last + 1) if i not in skipped]
+
+
 def test_a_patch_without_hooks_on_attention_modules_warns_nothing():
     import warnings
 

@@ -94,6 +94,14 @@ def _check_blocks(model: nn.Module, family: Family, plan: "dict[int, tuple[Optio
             )
 
 
+def _skips_attention(family: Family, block: nn.Module, stage: Optional[int], prefix_only: bool) -> bool:
+    """Whether a swapped ``block`` runs its attention's layers itself in some call: at a stage
+    (``stage``), as the last block computing the prefix tokens alone (``prefix_only``), or as
+    a follower in a family whose followers do (timm's ViT and Eva blocks run timm's forward)."""
+    pruning = family.blocks[original_block_class(block)]
+    return stage is not None or prefix_only or not getattr(pruning, "vitprune_follower_runs_timm", False)
+
+
 def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
     """Raise ``ValueError`` when the indicator compares heads and a stage block has one."""
     if config.indicator not in HEAD_SPREAD_INDICATORS:
@@ -264,7 +272,9 @@ def patch(
         check_model_overlap(model, family, cfg.overlap_stride)
     prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
     where = {index: bypassed(family, blocks[index], f"{prefix}.{index}") for index in sorted(plan)}
-    warn_of_bypassed_hooks(blocks, where)
+    last = len(blocks) - 1 if cfg.class_only_last else None
+    warn_of_bypassed_hooks(blocks, {index: modules for index, modules in where.items()
+                                    if _skips_attention(family, blocks[index], plan[index][0], index == last)})
 
     unpatch(model)
     source = "cls" if family.class_token_of(model) else "mean"

@@ -55,6 +55,8 @@ class _EvaBlock(PruningBlock):
     """An Eva block from the first stage on: its tokens' rope and the size bias; a block that
     only follows runs timm's own forward with them."""
 
+    vitprune_follower_runs_timm = True
+
     def _vitprune_attention(self, tokens: torch.Tensor, context: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
                             ) -> Tuple[torch.Tensor, Scored]:
         (bias, rope), state = context, self.vitprune_state

@@ -41,6 +41,9 @@ class PruningBlock:
     vitprune_follow: Optional[int]  # the stage whose output this block receives, or None
     vitprune_class_only: bool = False  # the last block with class_only_last: prefix tokens out in forward
     vitprune_bypassed: Bypassed = ()  # the modules (attention and holders) whose forward it does not call
+    #: Whether a block that only follows runs the timm block's own forward (so its attention
+    #: module is called, hooks and all) rather than vitprune's attention.
+    vitprune_follower_runs_timm: bool = False
     # the block's own submodules the layouts call, as each timm block class types them
     attn: Any
     norm1: Any

@@ -29,6 +29,8 @@ from .pooling import PrunedModel, timm_class_only_reason
 class _ViTBlock(PruningBlock):
     """A plain ViT block: timm's attention plus the size bias; followers run timm's forward."""
 
+    vitprune_follower_runs_timm = True
+
     def _vitprune_attention(self, tokens: torch.Tensor, bias: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Scored]:
         state = self.vitprune_state
         return attention_with_row(self.attn, tokens, state.num_prefix, state.row_source, bias)
