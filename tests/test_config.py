@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from vitprune import PruneConfig, default_stages
 from vitprune.core.config import PAPER_OPTIONS, method_options, spread_blocks
@@ -62,6 +63,18 @@ def test_config_is_frozen():
 def test_bad_values_raise_clearly(options, error, match):
     with pytest.raises(error, match=match):
         PruneConfig(**options)
+
+
+def test_numpy_values_are_taken_as_the_python_numbers_they_hold():
+    """Sweeps often come from NumPy (``np.linspace``, ``np.arange``): its floats, integers and
+    integer arrays are taken as Python floats and ints (an array of stages failed on its
+    element-wise ``!=``, and a NumPy seed inside torch's generator)."""
+    np = pytest.importorskip("numpy")
+    config = PruneConfig(indicator="random", keep_rate=np.float32(0.5), stages=np.arange(2, 5), seed=np.int64(3),
+                         T=np.float64(2.0))
+    assert config.stages == (2, 3, 4) and all(type(s) is int for s in config.stages)
+    assert config.seed == 3 and type(config.seed) is int and config.keep_rate == 0.5
+    torch.Generator().manual_seed(config.seed)  # what patch does with it
 
 
 def test_resolve_rejects_stages_beyond_the_model():

@@ -205,7 +205,8 @@ class PruneConfig:
             keep = _check_keep_rate(self.keep_rate)
         object.__setattr__(self, "keep_rate", keep)
 
-        if self.stages is not None and self.stages != ALL_BLOCKS and not is_spread(self.stages):
+        named = isinstance(self.stages, str) and (self.stages == ALL_BLOCKS or is_spread(self.stages))
+        if self.stages is not None and not named:  # (not ``!=``: an array compares element by element)
             if isinstance(self.stages, str):
                 names = ", ".join(map(repr, (*SPREAD_STEPS, ALL_BLOCKS)))
                 raise ValueError(f"unknown stages {self.stages!r}; accepted: {names}, None (the paper's "
@@ -248,6 +249,7 @@ class PruneConfig:
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if self.indicator != "random":
                 raise ValueError(f"seed only applies to indicator='random', not {self.indicator!r}")
+            object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer too: torch's generator takes int
         if self.overlap_stride is not None:
             if isinstance(self.overlap_stride, bool) or not isinstance(self.overlap_stride, Integral):
                 raise TypeError(f"overlap_stride must be a positive int or None, got {self.overlap_stride!r}")
