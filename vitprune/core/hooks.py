@@ -36,23 +36,22 @@ def _users_hook(hook: Any) -> bool:
     return not str(getattr(hook, "__module__", "")).startswith(_TOOLS)
 
 
-def _hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has any forward, forward-pre or backward hook (anyone's)."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
-
-
 def hooked_by_user(module: nn.Module) -> bool:
-    """Whether the user hooked ``module`` itself (a few truth tests when no one has)."""
-    return _hooked(module) and bool(users_hooks(module))
+    """Whether the user hooked ``module`` itself (four truth tests when no one has)."""
+    return bool(users_hooks(module))
 
 
 def users_hooks(module: nn.Module) -> List[int]:
     """Handle ids of the user's forward, forward-pre and backward hooks on ``module`` itself."""
-    if not _hooked(module):  # almost always: four truth tests
+    if not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+            or module._backward_pre_hooks):  # almost always: four truth tests
         return []
     return [key for table in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
                               module._backward_pre_hooks) for key, hook in table.items() if _users_hook(hook)]
+
+
+#: What to hook instead, in both warnings.
+_INSTEAD = "hook the block, or the attention's own layers (its projections), which still run"
 
 
 #: Where a swapped block keeps the modules it does not call: per module, the attribute path
@@ -68,7 +67,7 @@ def bypassed(family: Family, block: nn.Module, name: str) -> Bypassed:
     for attention in family.attention_modules(block):
         parts = tuple(attention.split("."))
         for depth in range(1, len(parts) + 1):
-            if not isinstance(block.get_submodule(".".join(parts[:depth])), (nn.ModuleList, nn.ModuleDict)):
+            if not isinstance(_module(block, parts[:depth]), (nn.ModuleList, nn.ModuleDict)):
                 found[parts[:depth]] = f"{name}.{'.'.join(parts[:depth])}"
     return tuple(found.items())
 
@@ -97,8 +96,8 @@ def warn_of_bypassed_hooks(blocks: nn.ModuleList, where: Dict[int, Bypassed]) ->
     if silenced:
         warnings.warn(
             f"vitprune runs the layers of these attention modules itself, so the hooks registered on "
-            f"them will not run while the model is patched: {', '.join(silenced)}; hook the block, "
-            "or the attention's own layers (its projections), which still run", UserWarning, stacklevel=3)
+            f"them will not run while the model is patched: {', '.join(silenced)}; {_INSTEAD}",
+            UserWarning, stacklevel=3)
 
 
 def warn_of_new_hooks(block: nn.Module, where: Bypassed) -> None:
@@ -109,5 +108,4 @@ def warn_of_new_hooks(block: nn.Module, where: Bypassed) -> None:
         warnings.warn(
             f"vitprune: hooks were registered on {', '.join(fresh)} after patch; the patched block runs "
             "the layers of these attention modules itself, so the hooks do not run while the model is "
-            "patched; hook the block, or the attention's own layers (its projections), which still run, "
-            "or unpatch", UserWarning, stacklevel=4)
+            f"patched; {_INSTEAD}, or unpatch", UserWarning, stacklevel=4)

@@ -99,7 +99,7 @@ def _skips_attention(family: Family, block: nn.Module, stage: Optional[int], pre
     (``stage``), as the last block computing the prefix tokens alone (``prefix_only``), or as
     a follower in a family whose followers do (timm's ViT and Eva blocks run timm's forward)."""
     pruning = family.blocks[original_block_class(block)]
-    return stage is not None or prefix_only or not getattr(pruning, "vitprune_follower_runs_timm", False)
+    return stage is not None or prefix_only or not getattr(pruning, "vitprune_follower_runs_timm")  # PruningBlock's
 
 
 def _check_heads(model: nn.Module, family: Family, config: PruneConfig) -> None:
@@ -271,10 +271,11 @@ def patch(
     if cfg.overlap_stride is not None:
         check_model_overlap(model, family, cfg.overlap_stride)
     prefix = next((name for name, module in model.named_modules() if module is blocks), "blocks")
-    where = {index: bypassed(family, blocks[index], f"{prefix}.{index}") for index in sorted(plan)}
     last = len(blocks) - 1 if cfg.class_only_last else None
-    warn_of_bypassed_hooks(blocks, {index: modules for index, modules in where.items()
-                                    if _skips_attention(family, blocks[index], plan[index][0], index == last)})
+    where = {index: bypassed(family, blocks[index], f"{prefix}.{index}")
+             if _skips_attention(family, blocks[index], plan[index][0], index == last) else ()
+             for index in sorted(plan)}
+    warn_of_bypassed_hooks(blocks, where)
 
     unpatch(model)
     source = "cls" if family.class_token_of(model) else "mean"
