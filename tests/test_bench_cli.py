@@ -175,3 +175,14 @@ def test_the_merging_baseline_needs_analytic_flops():
     with pytest.raises(TypeError, match="--baseline merge fits token merging to the analytic FLOPs, which refuse "
                                         "this model: .*has convolutions inside its blocks"):
         merging_settings(model, [0.7], (32, 32))
+
+
+def test_bench_measures_the_library_defaults_unless_told_otherwise(tmp_path):
+    # with no --indicators, the first method timed is what patch(model, keep_rate=...) does
+    out = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--no-memory", "--keep-rates", "0.7", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["setting"] for r in rows] == ["unpruned", "default keep 0.7", "var keep 0.7"]
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64)
+    patched = vitprune.patch(copy.deepcopy(model), keep_rate=0.7)
+    assert rows[1]["gflops"] == pytest.approx(count_flops(patched, (64, 64)) / 1e9)

@@ -110,8 +110,9 @@ the ideal ratio from the FLOP counts.""")
     parser.add_argument("--model", default="deit_small_patch16_224",
                         help="a timm model name, or hf:ID_OR_FOLDER for a transformers one")
     parser.add_argument("--pretrained", action="store_true", help="load its pretrained weights (must be cached)")
-    parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=(DEFAULT, *INDICATORS),
-                        help="'default': vitprune's defaults; an indicator: the paper's method with it")
+    parser.add_argument("--indicators", nargs="+", default=[DEFAULT, "var"], choices=(DEFAULT, *INDICATORS),
+                        help="'default': vitprune's defaults (what patch(model, keep_rate=...) does); an "
+                             "indicator: the paper's method with it")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=[1.0, 0.7], help="keep rates to run")
     parser.add_argument("--stages", nargs="+", type=named_stages, default=None,
                         help="one or more schedules: spread, spread2, spread3, all, paper (the paper's "
