@@ -6,10 +6,10 @@ From each trained checkpoint: a short fine-tune (100 steps, peak learning rate 2
 the training recipe of train_small_vit.py otherwise) with pruning active, for var,
 medad, cls, random and lowvar at keep rates 0.7 and 0.5, and for the unpruned model
 fine-tuned the same way (the fair baseline). Experiment (d) rides along: var and medad
-with overlapping patches at the stride and keep rate ``vitprune.fit_overlap`` picks for
-the unpruned model's FLOPs (matched FLOPs), fine-tuned the same way, and also scored
+with overlapping patches at the stride and keep rate ``vitprune.fit_overlap`` picks (for
+the paper's method) at the unpruned model's FLOPs (matched FLOPs), fine-tuned the same way, and also scored
 before fine-tuning. Test split (or its first ``--limit`` images). Writes docs/results/finetune.json and
-docs/finetune.md.
+docs/finetune.md. Every pruned setting is the paper's method (``experiments_common.paper_method``).
 """
 
 from __future__ import annotations
@@ -18,14 +18,16 @@ import argparse
 import copy
 import sys
 from pathlib import Path
+from typing import Optional
 
+from torch import nn
 from tqdm.auto import tqdm
 
 import vitprune
 from train_small_vit import train  # examples/ is on sys.path when this script runs
 from vitprune.data import datasets
 from vitprune.data.accuracy import accuracy
-from experiments_common import experiment_inputs, merge_results, save_results
+from experiments_common import experiment_inputs, merge_results, paper_method, save_results
 from vitprune.measure.flops import analytic_flops
 from reporting import markdown_table, percent, summarise
 
@@ -41,8 +43,8 @@ def settings(base):
     for rate in KEEP_RATES:
         for indicator in INDICATORS:
             yield indicator, rate, None
-    option = vitprune.fit_overlap(base)
-    for indicator in OVERLAP_INDICATORS:
+    for indicator in OVERLAP_INDICATORS:  # fitted for the paper's method, which runs with it
+        option = vitprune.fit_overlap(base, **paper_method(indicator))
         yield indicator, option.keep_rate, option.stride
 
 
@@ -61,15 +63,19 @@ def main() -> None:
     write_docs(Path(args.docs), rows, [command])
 
 
+def patched(base: nn.Module, indicator: str, rate: float, stride: Optional[int], seed: int) -> nn.Module:
+    """A copy of ``base`` under the paper's method with ``indicator`` at ``rate`` (with overlapping
+    patches at ``stride`` when given); the random indicator seeded with ``seed``."""
+    return vitprune.patch(copy.deepcopy(base), keep_rate=rate, overlap_stride=stride,
+                          **paper_method(indicator, **({"seed": seed} if indicator == "random" else {})))
+
+
 def run(models, test):
     train_sets = {d: datasets.load(d, "train") for d in test}
     jobs = [(m, r, s) for m, r in models for s in settings(m)]
     rows = []
     for base, record, (indicator, rate, stride) in tqdm(jobs, desc="fine-tune", file=sys.stderr):
-        model = copy.deepcopy(base)
-        if indicator is not None:
-            vitprune.patch(model, indicator=indicator, keep_rate=rate, overlap_stride=stride,
-                           **({"seed": record["seed"]} if indicator == "random" else {}))
+        model = copy.deepcopy(base) if indicator is None else patched(base, indicator, rate, stride, record["seed"])
         test_set = test[record["dataset"]]
         before = accuracy(model, *test_set) if stride is not None else None
         images, labels = train_sets[record["dataset"]]

@@ -6,7 +6,9 @@ For every checkpoint (one trained model per dataset and seed): indicators var, m
 cls (EViT), random and lowvar (the falsifier: keep the patches the heads agree on) at
 keep rates 0.9 to 0.3, with the fusion token; var, medad and cls also without it. The
 Fashion-MNIST test split (10,000 images, or their cluttered versions; --limit N: the first N). Writes
-docs/results/offshelf.json, docs/offshelf.md and docs/offshelf.png.
+docs/results/offshelf.json, docs/offshelf.md and docs/offshelf.png. Every setting is the paper's
+method (its three stages scaled to the depth, the top-scored tokens kept, one fusion token or
+none, plain attention: ``experiments_common.paper_method``), not the library's defaults.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import copy
 import sys
 from pathlib import Path
 
+from torch import nn
 from tqdm.auto import tqdm
 
 import vitprune
 from vitprune.data.accuracy import accuracy
-from experiments_common import experiment_inputs, save_results
+from experiments_common import experiment_inputs, paper_method, save_results
 from vitprune.measure.flops import analytic_flops
 from reporting import markdown_table, percent, summarise
 
@@ -37,14 +40,19 @@ def settings():
             yield indicator, rate, False
 
 
+def patched(base: nn.Module, indicator: str, rate: float, fuse: bool, seed: int) -> nn.Module:
+    """A copy of ``base`` under the paper's method with ``indicator`` at ``rate``, with its
+    fusion token or dropping the pruned tokens; the random indicator seeded with ``seed``."""
+    return vitprune.patch(copy.deepcopy(base), keep_rate=rate, **paper_method(
+        indicator, reduction="fuse" if fuse else "drop", **({"seed": seed} if indicator == "random" else {})))
+
+
 def main() -> None:
     args, models, test = experiment_inputs(__doc__)
     plan = [(m, r, s) for m, r in models for s in settings()]
     rows = []
     for base, record, (indicator, rate, fuse) in tqdm(plan, desc="off the shelf", file=sys.stderr):
-        model = base if indicator is None else vitprune.patch(
-            copy.deepcopy(base), indicator=indicator, keep_rate=rate, fuse=fuse,
-            **({"seed": record["seed"]} if indicator == "random" else {}))
+        model = base if indicator is None else patched(base, indicator, rate, fuse, record["seed"])
         images, labels = test[record["dataset"]]
         rows.append({"dataset": record["dataset"], "seed": record["seed"], "indicator": indicator or "unpruned",
                      "keep_rate": rate, "fuse": fuse, "gflops": analytic_flops(model) / 1e9,

@@ -13,9 +13,17 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from vitprune.core.config import spread_blocks
+from vitprune.core.config import PAPER_OPTIONS, spread_blocks
 from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
+
+
+def paper_method(indicator: str, **options: Any) -> Dict[str, Any]:
+    """``patch`` options for the paper's method with ``indicator`` (``PAPER_OPTIONS``: its three
+    stages, the top-scored tokens kept, one fusion token, plain attention), ``options``
+    overriding them. The experiments on the paper's indicators measured this; naming the
+    indicator alone would run the library's schedule and reduction with a top-k selection."""
+    return {**PAPER_OPTIONS, "indicator": indicator, **options}
 
 
 def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[torch.nn.Module, Dict[str, Any]]],

@@ -83,10 +83,16 @@ def test_resolve_rejects_stages_beyond_the_model():
 
 
 def test_resolve_rejects_rates_that_do_not_fit_the_default_stages():
-    with pytest.raises(ValueError, match="pass stages explicitly"):
+    # each message says what the rates stand for under that schedule, and how many it takes
+    with pytest.raises(ValueError, match=r"the paper's stages for 12 blocks \(stages=None\) are \(3, 6, 9\); "
+                                         "give 3 values or a single float, or pass stages explicitly"):
         PruneConfig(keep_rate=(0.7, 0.7), stages=None).resolve(12)
-    with pytest.raises(ValueError, match="pass stages explicitly"):  # spread is matched to the paper's stages
-        PruneConfig(keep_rate=(0.7, 0.7)).resolve(12, 196)
+    for spread in ("spread", "spread2", "spread3"):  # matched to the cost of the paper's stages
+        with pytest.raises(ValueError, match=rf"with stages='{spread}' they are the rates of the paper's stages "
+                                             r"for 12 blocks, \(3, 6, 9\), whose cost the schedule matches; give 3"):
+            PruneConfig(keep_rate=(0.7, 0.7), stages=spread).resolve(12, 196)
+    with pytest.raises(ValueError, match="stages='all' is all 12 blocks of this model; give 12 values"):
+        PruneConfig(keep_rate=(0.7, 0.7), stages="all").resolve(12)
     with pytest.raises(ValueError, match="pass num_patches"):
         PruneConfig(keep_rate=0.7).resolve(12)
 

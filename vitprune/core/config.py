@@ -294,7 +294,7 @@ class PruneConfig:
             stages, rates = config.schedule()
             return token_counts(rates, stages, depth, num_patches, fuse)
 
-        paper = counts(dataclasses.replace(self, stages=None).resolve(depth))
+        paper = counts(dataclasses.replace(self, stages=None)._explicit(depth, named=self.stages)._class_only(depth))
         every = tuple(range(depth))
         spread = run(every, _largest_rate(lambda r: counts(run(every, r, False)), paper, num_patches))
         step = SPREAD_STEPS[str(self.stages)]
@@ -377,8 +377,9 @@ class PruneConfig:
         return dataclasses.replace(self, stages=stages[:index] + stages[index + 1:],
                                    keep_rate=rates[:index] + rates[index + 1:])
 
-    def _explicit(self, depth: int) -> "PruneConfig":
-        """Explicit stages and one keep rate per stage, for stages other than the spread schedules."""
+    def _explicit(self, depth: int, named: Stages = None) -> "PruneConfig":
+        """Explicit stages and one keep rate per stage, for stages other than the spread schedules
+        (``named``: the spread schedule whose cost these stages set, for the error message)."""
         if self.stages is None:
             stages = default_stages(depth)
         elif self.stages == ALL_BLOCKS:
@@ -392,10 +393,15 @@ class PruneConfig:
             )
         keep = self.keep_rate
         if isinstance(keep, tuple) and len(keep) != len(stages):
-            raise ValueError(
-                f"keep_rate has {len(keep)} values but the default stages for {depth} blocks "
-                f"are {stages}; pass stages explicitly"
-            )
+            if is_spread(named):
+                meaning = (f"with stages={named!r} they are the rates of the paper's stages for {depth} blocks, "
+                           f"{stages}, whose cost the schedule matches")
+            elif self.stages is None:
+                meaning = f"the paper's stages for {depth} blocks (stages=None) are {stages}"
+            else:
+                meaning = f"stages={self.stages!r} is all {depth} blocks of this model"
+            raise ValueError(f"keep_rate has {len(keep)} values, but {meaning}; give {len(stages)} values or a "
+                             "single float, or pass stages explicitly")
         return dataclasses.replace(self, stages=stages, keep_rate=_per_stage(keep, len(stages)))
 
 
