@@ -65,13 +65,21 @@ def test_bad_values_raise_clearly(options, error, match):
         PruneConfig(**options)
 
 
+def test_a_temperature_or_indicator_is_taken_where_the_reduction_reads_it():
+    # the fusion token weighs by the scores at temperature T, whatever chose the tokens
+    assert PruneConfig(T=0.5, reduction="fuse").T == 0.5
+    assert PruneConfig(indicator="medad", selection="bipartite", reduction="fuse").indicator == "medad"
+    assert PruneConfig(indicator="var", selection="redundant", reduction="drop").selection == "redundant"
+    assert PruneConfig(T=1.0).reduction == "merge"  # the default temperature is no request
+
+
 def test_numpy_values_are_taken_as_the_python_numbers_they_hold():
     """Sweeps often come from NumPy (``np.linspace``, ``np.arange``): its floats, integers and
     integer arrays are taken as Python floats and ints (an array of stages failed on its
     element-wise ``!=``, and a NumPy seed inside torch's generator)."""
     np = pytest.importorskip("numpy")
     config = PruneConfig(indicator="random", keep_rate=np.float32(0.5), stages=np.arange(2, 5), seed=np.int64(3),
-                         T=np.float64(2.0))
+                         T=np.float64(2.0), reduction="fuse")
     assert config.stages == (2, 3, 4) and all(type(s) is int for s in config.stages)
     assert config.seed == 3 and type(config.seed) is int and config.keep_rate == 0.5
     torch.Generator().manual_seed(config.seed)  # what patch does with it

@@ -19,7 +19,8 @@ from conftest import build
 #: selection x reduction, and one bipartite stage that removes more than half its tokens
 #: (several rounds of matching, merged by ``merging.merge_tokens``).
 #: The score-based selections read the class token's attention (``cls``); ``T = inf`` (above).
-CASES = {f"{selection}, {reduction}": dict(selection=selection, reduction=reduction, keep_rate=0.5, T=math.inf,
+CASES = {f"{selection}, {reduction}": dict(selection=selection, reduction=reduction, keep_rate=0.5,
+                                           **({"T": math.inf} if reduction == "fuse" else {}),
                                            **({} if selection == "bipartite" else {"indicator": "cls"}))
          for selection in ("top", "redundant", "bipartite") for reduction in ("merge", "fuse", "drop")}
 CASES["bipartite rounds, merge"] = dict(keep_rate=0.3, stages=(1,))

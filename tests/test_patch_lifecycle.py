@@ -44,10 +44,10 @@ def test_patching_again_replaces_the_previous_patch(tiny):
 
 
 def test_get_config_reads_back_the_resolved_config(tiny):
-    vitprune.patch(tiny, indicator="medad", keep_rate=0.6, T=0.5, fuse=False, stages=None)
+    vitprune.patch(tiny, indicator="medad", keep_rate=0.6, T=0.5, fuse=True, stages=None)
     cfg = vitprune.get_config(tiny)
     # class_only_last=None is read back as what it became: on (a class-token head, no stage at the last block)
-    assert cfg == vitprune.PruneConfig("medad", (0.6, 0.6, 0.6), (3, 6, 9), 0.5, False, class_only_last=True)
+    assert cfg == vitprune.PruneConfig("medad", (0.6, 0.6, 0.6), (3, 6, 9), 0.5, True, class_only_last=True)
 
 
 def test_patch_accepts_a_config_object_with_overrides(tiny):

@@ -20,8 +20,8 @@ def documented_calls(model: nn.Module, images: torch.Tensor) -> None:
     patched: nn.Module = vitprune.patch(model, keep_rate=0.7)
     vitprune.patch(model, indicator="var", keep_rate=0.7, stages=None, selection="top", reduction="fuse",
                    size_aware=False, class_only_last=False)
-    vitprune.patch(model, indicator="medad", keep_rate=(0.7, 0.6, 0.5), stages=(3, 6, 9), T=math.inf)
-    vitprune.patch(model, indicator="var", keep_rate=[0.7, 0.6, 0.5], stages=[3, 6, 9], T=2.0)
+    vitprune.patch(model, indicator="medad", keep_rate=(0.7, 0.6, 0.5), stages=(3, 6, 9), reduction="fuse", T=math.inf)
+    vitprune.patch(model, indicator="var", keep_rate=[0.7, 0.6, 0.5], stages=[3, 6, 9], fuse=True, T=2.0)
     vitprune.patch(model, keep_rate=0.5, stages="all", crowding=0.5)
     vitprune.patch(model, keep_rate=0.5, stages="spread", class_only_last=True)
     vitprune.patch(model, keep_rate=0.7, stages="spread2")

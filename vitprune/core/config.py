@@ -121,7 +121,9 @@ class PruneConfig:
             referee's falsifier; if it does as well as ``"var"``, diversity is not what helps).
             ``None`` (the default): no indicator chooses tokens (bipartite matching); where a
             score is still needed (fusion weights) it is ``"var"``. Naming an indicator makes
-            the default selection ``"top"``: the tokens it scores best stay.
+            the default selection ``"top"``: the tokens it scores best stay. With
+            ``selection="bipartite"``, which reads no scores, it is refused unless
+            ``reduction="fuse"`` weighs by it.
         keep_rate: Fraction of the current non-prefix tokens kept at each stage, in (0, 1]:
             one float for every stage, or one per stage.
         stages: Where tokens go. ``"spread"`` (the default, the measured best): every
@@ -137,7 +139,8 @@ class PruneConfig:
             the paper's ``(3, 6, 9)``, scaled in proportion for other depths (see
             :func:`default_stages`). ``"all"``: every block, at ``keep_rate`` each. Or
             0-indexed blocks, strictly increasing.
-        T: Temperature of the fusion weights, > 0 (``math.inf`` gives plain mean pooling).
+        T: Temperature of the fusion weights, > 0 (``math.inf`` gives plain mean pooling);
+            ``reduction="fuse"`` only (another value with another reduction is refused).
             It divides the pruned tokens' scores normalised by their mean absolute value,
             so one value means the same for every indicator, model and resolution (docs/method.md §5).
         selection: Which tokens go (docs/method.md §4); ``None``: ``"bipartite"`` without an
@@ -241,6 +244,7 @@ class PruneConfig:
         if not isinstance(self.size_aware, bool):
             raise TypeError(f"size_aware must be True or False, got {self.size_aware!r}")
         self._check_crowding()
+        self._check_read()
         if self.class_only_last is not None and not isinstance(self.class_only_last, bool):
             raise TypeError(f"class_only_last must be True, False or None (on where exact), "
                             f"got {self.class_only_last!r}")
@@ -269,6 +273,21 @@ class PruneConfig:
             raise ValueError(f"crowding only applies to selection='bipartite', not {self.selection!r}; "
                              "leave it None")
         object.__setattr__(self, "crowding", float(value))
+
+    def _check_read(self) -> None:
+        """Refuse a temperature or an indicator that the chosen reduction never reads (as a
+        ``seed`` without the random indicator is refused), rather than ignore it."""
+        fuse = self.reduction == "fuse"
+        if self.T != 1.0 and not fuse:
+            raise ValueError(f"T is the fusion token's temperature: it only applies to reduction='fuse' (the "
+                             f"paper's method; pass reduction='fuse' for it), not {self.reduction!r}; otherwise "
+                             "leave T at 1.0")
+        if self.indicator is not None and self.selection == "bipartite" and not fuse:
+            raise ValueError(
+                f"indicator={self.indicator!r} plays no part with selection='bipartite' and "
+                f"reduction={self.reduction!r}: bipartite matching reads no scores (only reduction='fuse' "
+                "weighs by them); pass selection='top' or 'redundant' to choose tokens by the score, or "
+                "leave indicator None")
 
     @property
     def crowding_weight(self) -> float:

@@ -223,7 +223,8 @@ def patch(
             the paper's three stages at ``keep_rate``), ``"spread2"`` or ``"spread3"`` (the
             same in every second or third block: faster at batch 1), ``"all"``, ``None``
             (the paper's blocks 3, 6, 9 scaled to the depth) or block indices.
-        T: Temperature of the fusion token's weights, > 0 (default 1.0; ``math.inf``: mean).
+        T: Temperature of the fusion token's weights, > 0 (default 1.0; ``math.inf``: mean);
+            ``reduction="fuse"`` only.
         selection: ``"top"``, ``"redundant"`` or ``"bipartite"``; default: ``"bipartite"``
             without an indicator, ``"top"`` with one.
         reduction: ``"merge"`` (default), ``"fuse"`` (the paper's fusion token) or ``"drop"``.
