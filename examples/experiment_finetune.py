@@ -117,8 +117,8 @@ def overlap_section(rows) -> str:
                       f"{1000 * s['gflops']:.1f}", percent(b["mean"], b["std"], b["n"]) if b else "-",
                       percent(s["mean"], s["std"], s["n"])])
     return ("## Overlapping patches + pruning at matched FLOPs (experiment d)\n\n"
-            "Stride and keep rate from `vitprune.fit_overlap(model)` (the smallest stride whose keep rate "
-            "for the unpruned model's FLOPs stays >= 0.5). 'Before' is the overlapped, pruned model "
+            "Stride and keep rate from `vitprune.fit_overlap(model, **paper_options)` (for the paper's method; "
+            "the smallest stride whose keep rate for the unpruned model's FLOPs stays >= 0.5). 'Before' is the overlapped, pruned model "
             f"before fine-tuning; 'after' follows the same {STEPS}-step fine-tune as every row above.\n\n"
             + markdown_table(["dataset", "indicator", "stride", "keep", "MFLOPs", "before", "after"], table) + "\n")
 
