@@ -233,3 +233,18 @@ def test_products_only_is_the_count_of_the_model_without_its_norms():
         setattr(bare.get_submodule(parent), child, nn.Identity())
     assert len(norms) > 20 and count_flops(model) > count_flops(bare)
     assert count_flops(model, products_only=True) == count_flops(bare)
+
+
+def test_a_size_the_model_cannot_run_at_has_no_count():
+    # timm builds a model without dynamic_img_size for one input size: a count or a fit at
+    # another would describe nothing it can run, so each says so (count_flops met timm's assert)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64)
+    for count in (lambda size: vitprune.analytic_flops(model, size), lambda size: vitprune.count_flops(model, size),
+                  lambda size: vitprune.fit_keep_rate(model, 0.05, img_size=size)):
+        with pytest.raises(ValueError, match=r"takes \(64, 64\) inputs only .* cannot run at img_size=\(96, 96\): "
+                                             "build it with dynamic_img_size=True"):
+            count(96)
+        assert count(64) == count(None)  # its own size, named
+    model.set_input_size(img_size=96)  # the way to another size that timm offers
+    dynamic = timm.create_model("deit_tiny_patch16_224", img_size=64, dynamic_img_size=True)
+    assert vitprune.analytic_flops(model, 96) == vitprune.analytic_flops(model) == vitprune.analytic_flops(dynamic, 96)

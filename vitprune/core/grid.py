@@ -92,6 +92,24 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
     return pair
 
 
+def runnable_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """:func:`input_size`, for a count of what ``model`` runs at that size: refused where the
+    model cannot run there.
+
+    Raises:
+        TypeError, ValueError: As :func:`input_size`; ``ValueError`` also where timm built the
+            model for one input size (``strict_img_size``: no ``dynamic_img_size``) and
+            ``img_size`` is another.
+    """
+    size = input_size(model, img_size)
+    own = own_input_size(model)
+    if getattr(getattr(model, "patch_embed", None), "strict_img_size", False) and own is not None and size != own:
+        raise ValueError(f"this {type(model).__name__} takes {own} inputs only (timm built it without "
+                         f"dynamic_img_size), so it cannot run at img_size={size}: build it with "
+                         "dynamic_img_size=True, or call model.set_input_size(img_size=...) first")
+    return size
+
+
 def num_patches(model: nn.Module, img_size: Optional[Sequence[int]] = None, stride: Optional[int] = None) -> int:
     """Patch tokens the patch embedding makes from an ``img_size`` input: the product of
     :func:`patch_grid`'s rows and columns (which says how it follows the embedding)."""

@@ -29,7 +29,7 @@ from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostB
 from torch import nn
 
 from ..core.config import PruneConfig, token_counts
-from ..core.grid import forward_options, input_size, num_patches, patch_conv
+from ..core.grid import forward_options, input_size, num_patches, patch_conv, runnable_size
 from ..core.merging import bipartite_rounds
 from ..core.patching import get_config, is_patched, spread_patches
 from ..core.modes import evaluating
@@ -252,7 +252,8 @@ def analytic_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None) -
         model: A ViT of a family ``patch`` accepts (timm or ``transformers``) with a
             convolutional patch embedding or a hybrid's CNN stem, or a timm ViT of
             ``Block`` or ``ResPostBlock`` blocks.
-        img_size: ``(H, W)`` or an int; the model's own input size when ``None``.
+        img_size: ``(H, W)`` or an int; the model's own input size when ``None``. Another
+            size needs a model that runs there (timm's ``dynamic_img_size``; else ``ValueError``).
     """
     return schedule_flops(model, get_config(model) if is_patched(model) else None, img_size)
 
@@ -287,6 +288,7 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
         TypeError: As :func:`schedule_flops`, at once.
     """
     layout = _layout(model)
+    runnable_size(model, img_size)  # a size the model cannot run at has no count
     conv, C, prefix = layout.conv, layout.width, layout.prefix
     per_patch = 0 if conv is None else C * conv.in_channels * math.prod(conv.kernel_size)
     stem = 0 if layout.stem is None else run_stem(layout.stem, input_size(model, img_size)).flops
@@ -368,7 +370,8 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, prod
         model: Any module taking a ``(1, 3, H, W)`` image; a timm ViT for ``img_size=None``.
         img_size: ``(H, W)`` or an int; the model's own input size when ``None``. A
             ``transformers`` model at another size is called with
-            ``interpolate_pos_encoding=True``, as it must be to run there.
+            ``interpolate_pos_encoding=True``, as it must be to run there; a timm model
+            built for one size (no ``dynamic_img_size``) is refused another (``ValueError``).
         products_only: Leave out fvcore's normalisation counts (batch, group, layer and
             instance norms): what :func:`analytic_flops` counts, for a like-for-like check.
             A ResNetV2 stem's group norms and weight standardisation are up to 4 % of it.
@@ -389,7 +392,7 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, prod
             f"this {type(model).__name__} has {'no parameters' if param is None else 'no Conv2d'}"
         )
     channels = first_conv.in_channels
-    size = input_size(model, img_size)
+    size = runnable_size(model, img_size)
     x = torch.zeros(1, channels, *size, dtype=param.dtype, device=param.device)
     with evaluating(model), torch.no_grad():
         options = forward_options(model, size)
