@@ -84,6 +84,34 @@ def test_torch_pruning_of_the_last_qkv_trains_as_on_the_unpatched_model():
 
 
 @pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])
+def test_a_training_forward_draws_drop_path_and_head_dropout_as_timm(kind):
+    """In training the prefix rows alone meet the last block's attention and projection
+    dropout, whose masks then differ from timm's (docs/method.md §10); drop path (one draw
+    per image) and the dropout before the head are drawn as in timm, so with those alone a
+    training step at keep 1.0 is timm's up to the smaller products' rounding."""
+    x = images().double()
+
+    def step(model):
+        model.double().train()
+        torch.manual_seed(7)
+        out = model(x)
+        out = out[0] if isinstance(out, tuple) else out  # the distilled DeiT trains on two heads
+        out.square().sum().backward()
+        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    dropping = dict(drop_path_rate=0.3, drop_rate=0.3)
+    expected, expected_grads = step(build(kind, **dropping))
+    model = vitprune.patch(build(kind, **dropping), keep_rate=1.0)
+    assert model.blocks[-1].vitprune_class_only
+    got, grads = step(model)
+    assert not torch.equal(step(build(kind, **dropping))[0], step(build(kind))[0])  # the masks are drawn
+    assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        assert_close(grads[name], expected_grads[name], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["class token", "distilled (2 prefix)", "ResPostBlock"])
 @pytest.mark.parametrize("options", [{}, dict(keep_rate=0.4), PAPER, dict(indicator="var", keep_rate=0.5)], ids=str)
 def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
     model, x = build(kind), images()
