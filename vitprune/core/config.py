@@ -120,7 +120,8 @@ class PruneConfig:
             ``"lowvar"`` (minus the variance: keeps the patches the heads agree on, the
             referee's falsifier; if it does as well as ``"var"``, diversity is not what helps).
             ``None`` (the default): no indicator chooses tokens (bipartite matching); where a
-            score is still needed (fusion weights) it is ``"var"``. Naming an indicator makes
+            score is still needed (``selection="top"`` or ``"redundant"`` named without one,
+            or the fusion weights) it is ``"var"``. Naming an indicator makes
             the default selection ``"top"``: the tokens it scores best stay. With
             ``selection="bipartite"``, which reads no scores, it is refused unless
             ``reduction="fuse"`` weighs by it.
