@@ -90,3 +90,11 @@ def test_the_minimums_ci_installs_are_the_ones_pyproject_states():
     stated = re.findall(r'"(torch|timm)>=([0-9.]+)"', (root / "pyproject.toml").read_text())
     assert {name: version for name, version in stated} == {
         "torch": ".".join(pins["torch"].split(".")[:2]), "timm": pins["timm"]}
+
+
+def test_ci_runs_the_minimums_on_the_oldest_python_pyproject_states():
+    # .ci/run builds the minimum-versions environment from that Python where the machine has it
+    root = Path(__file__).resolve().parent.parent
+    oldest = re.search(r'requires-python = ">=([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    run = (root / ".ci" / "run").read_text()
+    assert f"/versions/{oldest}*/bin/python python{oldest};" in run
