@@ -89,3 +89,15 @@ def test_opening_flop_ratios(deit_small):
     ratios = [unpruned / vitprune.analytic_flops(vitprune.patch(copy.deepcopy(deit_small), **kwargs))
               for kwargs in (dict(keep_rate=0.7), options)]
     assert (round(ratios[0], 1), round(ratios[1], 1)) == (defaults, paper)
+
+
+def test_the_development_section_names_every_module():
+    # README's map of the package ("Development") names each module, so a new one is described
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Development"):]
+    package = README.parent / "vitprune"
+    modules = sorted(path.relative_to(package).as_posix() for path in package.rglob("*.py")
+                     if path.name not in ("__init__.py", "__main__.py"))
+    assert len(modules) > 40
+    missing = [module for module in modules if f"`{Path(module).name}`" not in section]
+    assert not missing, f"README's Development section does not name {missing}"
