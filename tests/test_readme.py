@@ -101,3 +101,8 @@ def test_the_development_section_names_every_module():
     assert len(modules) > 40
     missing = [module for module in modules if f"`{Path(module).name}`" not in section]
     assert not missing, f"README's Development section does not name {missing}"
+    scripts = [path.name for path in (README.parent / "examples").iterdir() if path.suffix in (".py", ".sh")]
+    assert len(scripts) > 20
+    unnamed = [name for name in scripts if f"`{name}`" not in section
+               and not (name.startswith("experiment_") and "`experiment_*.py`" in section)]
+    assert not unnamed, f"README's Development section does not name the scripts {unnamed}"
