@@ -106,3 +106,20 @@ def test_the_development_section_names_every_module():
     unnamed = [name for name in scripts if f"`{name}`" not in section
                and not (name.startswith("experiment_") and "`experiment_*.py`" in section)]
     assert not unnamed, f"README's Development section does not name the scripts {unnamed}"
+
+
+def test_every_command_line_option_is_named():
+    # each subcommand's options appear in the README (their meaning is in --help and there)
+    import argparse
+
+    from vitprune.commands.cli import build_parser
+
+    text = README.read_text(encoding="utf-8")
+    named = set(re.findall(r"--[a-z][a-z0-9-]*", text))
+    subcommands = next(action for action in build_parser()._actions
+                       if isinstance(action, argparse._SubParsersAction)).choices
+    assert set(subcommands) == {"demo", "bench", "show", "eval"}
+    missing = {name: sorted(option for action in sub._actions for option in action.option_strings
+                            if option.startswith("--") and option != "--help" and option not in named)
+               for name, sub in subcommands.items()}
+    assert not any(missing.values()), f"README does not name these options: {missing}"
