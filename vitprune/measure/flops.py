@@ -29,7 +29,7 @@ from timm.models.vision_transformer import Block, ParallelScalingBlock, ResPostB
 from torch import nn
 
 from ..core.config import PruneConfig, token_counts
-from ..core.grid import forward_options, input_size, num_patches, patch_conv, runnable_size
+from ..core.grid import forward_options, num_patches, patch_conv, runnable_size
 from ..core.merging import bipartite_rounds
 from ..core.patching import get_config, is_patched, spread_patches
 from ..core.modes import evaluating
@@ -288,10 +288,10 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
         TypeError: As :func:`schedule_flops`, at once.
     """
     layout = _layout(model)
-    runnable_size(model, img_size)  # a size the model cannot run at has no count
+    size = runnable_size(model, img_size)  # a size the model cannot run at has no count
     conv, C, prefix = layout.conv, layout.width, layout.prefix
     per_patch = 0 if conv is None else C * conv.in_channels * math.prod(conv.kernel_size)
-    stem = 0 if layout.stem is None else run_stem(layout.stem, input_size(model, img_size)).flops
+    stem = 0 if layout.stem is None else run_stem(layout.stem, size).flops
     depth = len(layout.blocks)
     family = layout.family
     class_only = family is not None and family.class_only_refusal(model) is None  # as ``forward`` decides
