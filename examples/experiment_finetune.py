@@ -67,7 +67,7 @@ def patched(base: nn.Module, indicator: str, rate: float, stride: Optional[int],
     """A copy of ``base`` under the paper's method with ``indicator`` at ``rate`` (with overlapping
     patches at ``stride`` when given); the random indicator seeded with ``seed``."""
     return vitprune.patch(copy.deepcopy(base), keep_rate=rate, overlap_stride=stride,
-                          **paper_method(indicator, **({"seed": seed} if indicator == "random" else {})))
+                          **paper_method(indicator, seed))
 
 
 def run(models, test):

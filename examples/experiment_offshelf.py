@@ -43,8 +43,8 @@ def settings():
 def patched(base: nn.Module, indicator: str, rate: float, fuse: bool, seed: int) -> nn.Module:
     """A copy of ``base`` under the paper's method with ``indicator`` at ``rate``, with its
     fusion token or dropping the pruned tokens; the random indicator seeded with ``seed``."""
-    return vitprune.patch(copy.deepcopy(base), keep_rate=rate, **paper_method(
-        indicator, reduction="fuse" if fuse else "drop", **({"seed": seed} if indicator == "random" else {})))
+    return vitprune.patch(copy.deepcopy(base), keep_rate=rate,
+                          **paper_method(indicator, seed, reduction="fuse" if fuse else "drop"))
 
 
 def main() -> None:

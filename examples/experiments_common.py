@@ -18,12 +18,14 @@ from vitprune.data.datasets import load
 from vitprune.data.shipped import load_checkpoint
 
 
-def paper_method(indicator: str, **options: Any) -> Dict[str, Any]:
+def paper_method(indicator: str, seed: Optional[int] = None, **options: Any) -> Dict[str, Any]:
     """``patch`` options for the paper's method with ``indicator`` (``PAPER_OPTIONS``: its three
     stages, the top-scored tokens kept, one fusion token, plain attention), ``options``
-    overriding them. The experiments on the paper's indicators measured this; naming the
-    indicator alone would run the library's schedule and reduction with a top-k selection."""
-    return {**PAPER_OPTIONS, "indicator": indicator, **options}
+    overriding them; ``seed`` seeds the random indicator (the other indicators take none).
+    The experiments on the paper's indicators measured this; naming the indicator alone would
+    run the library's schedule and reduction with a top-k selection."""
+    seeded = {"seed": seed} if indicator == "random" else {}
+    return {**PAPER_OPTIONS, "indicator": indicator, **seeded, **options}
 
 
 def experiment_inputs(description: str) -> Tuple[argparse.Namespace, List[Tuple[torch.nn.Module, Dict[str, Any]]],
