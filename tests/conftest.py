@@ -202,6 +202,15 @@ def trained_logits(model, x, labels, steps=2, lr=0.1):
         return model.eval()(x)
 
 
+def training_step(model, forward, seed=7):
+    """With the global seed set to ``seed``: ``forward(model)``, then the backward pass of the
+    sum of its squares. Returns the output (detached) and every parameter's gradient."""
+    torch.manual_seed(seed)
+    out = forward(model)
+    out.square().sum().backward()
+    return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def assert_training_step_kept(model, forward):
     """Dropout on in ``model`` (train mode, float64): with the same seed, a patch at keep 1.0 in
     every block (every token through the last) gives its training forward and every gradient
@@ -211,16 +220,10 @@ def assert_training_step_kept(model, forward):
 
     import vitprune
 
-    def step(model, seed=7):
-        torch.manual_seed(seed)
-        out = forward(model)
-        out.square().sum().backward()
-        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    expected, expected_grads = step(copy.deepcopy(model))
-    assert not torch.equal(step(copy.deepcopy(model), seed=8)[0], expected)  # the masks are drawn
+    expected, expected_grads = training_step(copy.deepcopy(model), forward)
+    assert not torch.equal(training_step(copy.deepcopy(model), forward, seed=8)[0], expected)  # the masks are drawn
     vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
-    got, grads = step(model)
+    got, grads = training_step(model, forward)
     assert torch.equal(got, expected)
     assert grads.keys() == expected_grads.keys()
     assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)

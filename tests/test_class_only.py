@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 import vitprune
 from conftest import (PAPER, assert_class_only_exact, assert_hooked_projections_run_as_in_timm, assert_same,
-                      make_visible, snapshot, trained_logits)
+                      make_visible, snapshot, trained_logits, training_step)
 from vitprune.measure.baseline import fit_merging
 from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops
 
@@ -91,13 +91,12 @@ def test_a_training_forward_draws_drop_path_and_head_dropout_as_timm(kind):
     training step at keep 1.0 is timm's up to the smaller products' rounding."""
     x = images().double()
 
-    def step(model):
-        model.double().train()
-        torch.manual_seed(7)
+    def logits(model):
         out = model(x)
-        out = out[0] if isinstance(out, tuple) else out  # the distilled DeiT trains on two heads
-        out.square().sum().backward()
-        return out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return out[0] if isinstance(out, tuple) else out  # the distilled DeiT trains on two heads
+
+    def step(model):
+        return training_step(model.double().train(), logits)
 
     dropping = dict(drop_path_rate=0.3, drop_rate=0.3)
     expected, expected_grads = step(build(kind, **dropping))
