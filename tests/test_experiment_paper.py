@@ -5,6 +5,7 @@ trained models behind those results, every setting a script patches costs the FL
 results file records. (Naming only an indicator, as the scripts once did, runs the library's
 schedule and reduction instead, at other FLOPs.)"""
 
+import functools
 import json
 import math
 import sys
@@ -23,10 +24,16 @@ import experiment_offshelf  # noqa: E402
 import experiment_sensitivity  # noqa: E402
 
 
+@functools.lru_cache(maxsize=None)
+def rows(name):
+    """The rows of ``docs/results/NAME.json``, read once."""
+    return json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())["rows"]
+
+
 def recorded(name, *keys):
     """``(dataset, *keys) -> GFLOPs`` over the results file's pruned rows (one value each)."""
     found = {}
-    for row in json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())["rows"]:
+    for row in rows(name):
         if row["indicator"] == "unpruned":
             continue
         key = (row["dataset"], *(row[k] for k in keys))
@@ -38,7 +45,7 @@ def recorded(name, *keys):
 def shipped():
     models = {dataset: load_shipped(dataset)[0] for dataset in ("fashion_mnist", "cluttered")}
     for name in ("offshelf", "finetune"):  # the stand-ins cost what the recorded models cost unpruned
-        for row in json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())["rows"]:
+        for row in rows(name):
             if row["indicator"] == "unpruned":
                 assert analytic_flops(models[row["dataset"]]) / 1e9 == pytest.approx(row["gflops"], rel=1e-12)
     return models
