@@ -15,7 +15,7 @@ from vitprune.data import folders
 from vitprune.data.accuracy import accuracy
 from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
 from vitprune.measure.evaluate import build_settings, evaluate
-from vitprune.pictures.frontier import pareto_front
+from vitprune.pictures.frontier import draw_frontier, pareto_front
 
 ASSET = str(checkpoint_path("fashion_mnist"))
 
@@ -85,6 +85,8 @@ def test_a_random_timm_model_runs_on_a_small_rgb_tree_with_a_limit(rgb_tree, tmp
         assert float(row["gflops"]) > 0 and float(row["images_per_s"]) > 0
     assert float(rows[0]["speedup"]) == 1.0 and float(rows[4]["flops_share"]) < float(rows[1]["flops_share"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = Image.open(plot).size
+    assert width > 2 * height  # two panels side by side: against GFLOPs and against measured speedup
 
 
 def test_json_rows_carry_the_schema(fashion_tree, tmp_path):
@@ -126,6 +128,27 @@ def test_a_limit_samples_every_class(fashion_tree):
 def test_pareto_front_by_hand():
     points = [(1.0, 80.0), (2.0, 85.0), (2.0, 84.0), (3.0, 84.5), (0.5, 70.0), (3.0, 90.0)]
     assert pareto_front(points) == [4, 0, 1, 5]
+
+
+def test_the_front_against_measured_speedup_is_of_the_fastest_not_of_the_fewest_flops():
+    # b costs the fewest FLOPs but ran slower than c, which is more accurate: against FLOPs b is
+    # on the front, against speedup it is beaten; a is beaten by c on both axes
+    def row(setting, gflops, speedup, top1):
+        return {"setting": setting, "method": setting.split()[0], "keep_rate": None, "budget": None,
+                "gflops": gflops, "speedup": speedup, "top1": top1}
+
+    rows = [row("unpruned", 1.0, 1.0, 90.0), row("default keep 0.7", 0.7, 1.3, 89.0),
+            row("var keep 0.5", 0.5, 1.2, 88.0), row("default keep 0.6", 0.6, 1.5, 89.5)]
+
+    def front(x):
+        axis = draw_frontier(rows, "t", x=x).axes[0]
+        line = next(line for line in axis.get_lines() if line.get_label() == "Pareto front")
+        return list(line.get_xdata()), axis.get_xlabel()
+
+    assert front("gflops") == ([0.5, 0.6, 1.0], "GFLOPs per image")
+    assert front("speedup") == ([1.5, 1.0], "speedup over the unpruned model (measured)")
+    with pytest.raises(ValueError, match="x must be one of .'gflops', 'speedup'., got 'flops'"):
+        draw_frontier(rows, "t", x="flops")
 
 
 @pytest.fixture

@@ -84,6 +84,10 @@ def test_demo_runs_and_writes_a_plot(tmp_path, capsys):
     assert "var keep 0.7" in text and "medad keep 0.7" in text and "unpruned" in text
     assert "default keep 0.7" in text
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    width, height = Image.open(out).size
+    assert height > width  # one column, two panels: against GFLOPs, then against measured speedup
 
 
 def test_the_demos_paper_rows_run_the_papers_method():
