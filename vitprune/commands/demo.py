@@ -3,7 +3,7 @@
 For each dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of
 vitprune's defaults (merging, size-aware attention) and of the paper's method (var and
 medad, its three stages, one fusion token) at several keep rates, then a plot of accuracy
-against GFLOPs (one line per method). Needs no download: the models and test subsets ship in the
+against GFLOPs and against the measured speedup (one line per method). Needs no download: the models and test subsets ship in the
 package.
 """
 

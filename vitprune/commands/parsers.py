@@ -90,7 +90,8 @@ def add_demo(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParse
 Prune the small ViTs that ship with vitprune on their shipped real test images. For each
 dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of vitprune's
 defaults (merging, size-aware attention) and of the paper's method (one fusion token) at
-several keep rates, then a plot of accuracy against GFLOPs. No download needed.""")
+several keep rates, then a plot of accuracy against GFLOPs and against the measured
+speedup. No download needed.""")
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS), help="which shipped models")
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=INDICATORS,
                         help="the paper's method with these indicators, beside the defaults")
@@ -225,7 +226,7 @@ Example (ImageNet validation, a user's own copy):
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     run.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPU, float16 on CUDA")
     run.add_argument("--out", default=None, help="write the rows to this .json or .csv file")
-    run.add_argument("--plot", default=None, help="draw accuracy against GFLOPs to this .png")
+    run.add_argument("--plot", default=None, help="draw accuracy against GFLOPs and against the measured speedup to this .png")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
