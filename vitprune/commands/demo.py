@@ -3,8 +3,8 @@
 For each dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of
 vitprune's defaults (merging, size-aware attention) and of the paper's method (var and
 medad, its three stages, one fusion token) at several keep rates, then a plot of accuracy
-against GFLOPs and against the measured speedup (one line per method). Needs no download: the models and test subsets ship in the
-package.
+against GFLOPs and against the measured speedup (one line per method). Needs no download:
+the models and test subsets ship in the package.
 """
 
 from __future__ import annotations

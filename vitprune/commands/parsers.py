@@ -226,7 +226,8 @@ Example (ImageNet validation, a user's own copy):
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run")
     run.add_argument("--amp", action="store_true", help="autocast: bfloat16 on CPU, float16 on CUDA")
     run.add_argument("--out", default=None, help="write the rows to this .json or .csv file")
-    run.add_argument("--plot", default=None, help="draw accuracy against GFLOPs and against the measured speedup to this .png")
+    run.add_argument("--plot", default=None,
+                     help="draw accuracy against GFLOPs and against the measured speedup to this .png")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
