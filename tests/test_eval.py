@@ -14,7 +14,7 @@ from vitprune.commands.cli import main
 from vitprune.data import folders
 from vitprune.data.accuracy import accuracy
 from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
-from vitprune.measure.evaluate import build_settings, evaluate
+from vitprune.measure.evaluate import build_settings, evaluate, median_speedups
 from vitprune.pictures.frontier import draw_frontier, pareto_front
 
 ASSET = str(checkpoint_path("fashion_mnist"))
@@ -75,6 +75,7 @@ def test_a_random_timm_model_runs_on_a_small_rgb_tree_with_a_limit(rgb_tree, tmp
                  "--no-progress", "--out", str(out), "--plot", str(plot)]) == 0
     text = capsys.readouterr().out
     assert "random weights" in text and "var keep 0.5" in text
+    assert "the median of 3 per-batch time ratios" in text and "note: only 3 batches timed" in text
     with open(out) as handle:
         rows = list(csv.DictReader(handle))
     assert [r["setting"] for r in rows] == ["unpruned", "default keep 0.7", "default keep 0.5", "var keep 0.7",
@@ -123,6 +124,15 @@ def test_a_limit_samples_every_class(fashion_tree):
     dataset = folders.open_images(str(fashion_tree), "validation", data_config(model))
     labels = torch.cat([y for _, y in folders.batches(dataset, 100, limit=50)])
     assert len(labels) == 50 and set(labels.tolist()) == set(range(10))
+
+
+def test_speedup_is_the_median_of_the_per_batch_ratios_by_hand():
+    # three batches; the unpruned model (first) stalled on the last one (10 s where it took 1 s),
+    # the second setting ran twice as fast on each, the third at half, equal, then twice the speed
+    seconds = [[1.0, 1.0, 10.0], [0.5, 0.5, 0.5], [2.0, 1.0, 5.0]]
+    assert median_speedups(seconds) == [1.0, 2.0, 1.0]
+    # the ratios of total times would read 8.0 and 1.5: one stalled batch would set them
+    assert [sum(seconds[0]) / sum(times) for times in seconds] == [1.0, 8.0, 1.5]
 
 
 def test_pareto_front_by_hand():

@@ -99,6 +99,10 @@ def write(result: Dict[str, Any], path: str) -> None:
             out.write("\n")
 
 
+#: Batches below which the speedup, a median of per-batch ratios, is called unsteady.
+STEADY_BATCHES = 11
+
+
 def main(args: argparse.Namespace) -> int:
     def fail(problem: str) -> int:
         print(f"vitprune eval: error: {problem}", file=sys.stderr)
@@ -140,9 +144,14 @@ def main(args: argparse.Namespace) -> int:
     with tqdm(total=count, unit="img", desc=f"{len(settings)} settings", disable=args.no_progress) as bar:
         rows = evaluate(model, batches(dataset, args.batch_size, args.workers, args.limit), settings,
                         device=args.device, amp=args.amp, img_size=config["input_size"][-2:], progress=bar.update)
+    timed = -(-rows[0].images // args.batch_size)  # batches, the last one possibly short
     heading = (f"{args.model or args.checkpoint} ({source}) on {rows[0].images} images of {args.data_dir}, "
-               f"{args.device}{' autocast' if args.amp else ''}, batch {args.batch_size}; speedup measured in this run")
+               f"{args.device}{' autocast' if args.amp else ''}, batch {args.batch_size}; speedup: the median of "
+               f"{timed} per-batch time ratios, measured in this run")
     print(format_table(rows, heading))
+    if timed < STEADY_BATCHES and len(rows) > 1:
+        print(f"note: only {timed} batch{'es' if timed > 1 else ''} timed; for a steady speedup give "
+              f"{STEADY_BATCHES} or more (more images, or a smaller --batch-size)")
     result = record(rows, args, source)
     if args.out:
         write(result, args.out)

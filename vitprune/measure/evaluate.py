@@ -4,12 +4,15 @@ Every batch goes through every setting (each a patched copy of the model) before
 next batch is read, so the data is decoded once however many settings there are, and
 the settings take turns on the same batches (the order rotating each batch), so machine
 noise hits them alike: ``speedup`` is measured in the same run, against the unpruned
-model. This is what ``vitprune eval`` runs; the data and the model come from the caller.
+model, as the median over the batches of each batch's time ratio (a slow spell or a pause
+during a few batches does not move it). This is what ``vitprune eval`` runs; the data and
+the model come from the caller.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -53,7 +56,8 @@ class Setting:
 
 @dataclass
 class Row:
-    """What one setting measured (``top1``/``top5`` in percent)."""
+    """What one setting measured (``top1``/``top5`` in percent; ``images_per_s`` over all the
+    batches, ``speedup`` over the unpruned model by :func:`median_speedups`)."""
 
     setting: str
     method: str
@@ -175,6 +179,17 @@ def _top_k(logits: torch.Tensor, labels: torch.Tensor, k: int) -> int:
     return int((top == labels.unsqueeze(-1)).any(dim=-1).sum())
 
 
+def median_speedups(batch_seconds: Sequence[Sequence[float]]) -> List[float]:
+    """Each setting's speedup over the first (the unpruned model): the median over the batches
+    of the first's time on a batch divided by the setting's time on that batch.
+
+    Args:
+        batch_seconds: ``batch_seconds[i][b]``, setting ``i``'s time on batch ``b``.
+    """
+    return [statistics.median(first / time for first, time in zip(batch_seconds[0], times))
+            for times in batch_seconds]
+
+
 @torch.inference_mode()
 def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tensor]], settings: Sequence[Setting], *,
              device: "str | torch.device" = "cpu", amp: bool = False, img_size: Optional[Sequence[int]] = None,
@@ -201,7 +216,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     gflops = [gflops_of(m, img_size) for m in models]
     top1 = [0] * len(models)
     top5 = [0] * len(models)
-    seconds = [0.0] * len(models)
+    seconds: List[List[float]] = [[] for _ in models]  # each setting's time on each batch
     seen = 0
     sync = device_sync(device)
     autocast = torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16,
@@ -220,7 +235,7 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
             with autocast:
                 logits = logits_of(models[i](images))
             sync()
-            seconds[i] += time.perf_counter() - start
+            seconds[i].append(time.perf_counter() - start)
             top1[i] += _top_k(logits, labels, 1)
             top5[i] += _top_k(logits, labels, 5)
         seen += len(labels)
@@ -229,8 +244,8 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     if seen == 0:
         raise ValueError("no images were evaluated: the data is empty")
     rows = []
-    for setting, g, c1, c5, s in zip(settings, gflops, top1, top5, seconds):
+    for setting, g, c1, c5, s, speedup in zip(settings, gflops, top1, top5, seconds, median_speedups(seconds)):
         rows.append(Row(setting=setting.label, method=setting.method, keep_rate=setting.keep_rate,
                         budget=setting.budget, top1=100 * c1 / seen, top5=100 * c5 / seen, gflops=g,
-                        flops_share=g / gflops[0], images_per_s=seen / s, speedup=seconds[0] / s, images=seen))
+                        flops_share=g / gflops[0], images_per_s=seen / sum(s), speedup=speedup, images=seen))
     return rows
