@@ -19,7 +19,7 @@ from ..data.folders import batches, class_names, open_images
 from ..data.hf_models import is_transformers_name, preprocessing_note
 from ..data.models import load_model
 from ..measure.evaluate import Row, build_settings, evaluate
-from .parsers import CLASS_ONLY
+from .parsers import CLASS_ONLY, STEADY_ROUNDS
 
 
 def problem_with(args: argparse.Namespace) -> Optional[str]:
@@ -99,10 +99,6 @@ def write(result: Dict[str, Any], path: str) -> None:
             out.write("\n")
 
 
-#: Batches below which the speedup, a median of per-batch ratios, is called unsteady.
-STEADY_BATCHES = 11
-
-
 def main(args: argparse.Namespace) -> int:
     def fail(problem: str) -> int:
         print(f"vitprune eval: error: {problem}", file=sys.stderr)
@@ -149,9 +145,9 @@ def main(args: argparse.Namespace) -> int:
                f"{args.device}{' autocast' if args.amp else ''}, batch {args.batch_size}; speedup: the median of "
                f"{timed} per-batch time ratios, measured in this run")
     print(format_table(rows, heading))
-    if timed < STEADY_BATCHES and len(rows) > 1:
+    if timed < STEADY_ROUNDS and len(rows) > 1:
         print(f"note: only {timed} batch{'es' if timed > 1 else ''} timed; for a steady speedup give "
-              f"{STEADY_BATCHES} or more (more images, or a smaller --batch-size)")
+              f"{STEADY_ROUNDS} or more (more images, or a smaller --batch-size)")
     result = record(rows, args, source)
     if args.out:
         write(result, args.out)

@@ -21,6 +21,9 @@ MODES = ("infer", "train")
 DTYPE_NAMES = ("fp32", "bf16", "bf16-weights")
 #: ``demo``'s keep rates.
 DEMO_KEEP_RATES = (0.9, 0.7, 0.5, 0.3)
+#: Timed rounds (``bench``, ``demo``) or batches (``eval``) behind a reported median speedup:
+#: on a noisy machine fewer give medians that move by more than the differences measured.
+STEADY_ROUNDS = 11
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -96,7 +99,7 @@ speedup. No download needed.""")
     parser.add_argument("--indicators", nargs="+", default=["var", "medad"], choices=INDICATORS,
                         help="the paper's method with these indicators, beside the defaults")
     parser.add_argument("--keep-rates", nargs="+", type=float, default=list(DEMO_KEEP_RATES), help="keep rates to run")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds for the speedup (median)")
+    parser.add_argument("--rounds", type=int, default=STEADY_ROUNDS, help="timed rounds for the speedup (median)")
     parser.add_argument("--out", default="demo.png", help="where to write the plot (PNG)")
     return parser
 
@@ -137,7 +140,8 @@ the ideal ratio from the FLOP counts.""")
     parser.add_argument("--compile", nargs="?", const="all", choices=("all", "both"), default=None,
                         help="torch.compile every model ('all', the default when given), or time every "
                              "setting eager and compiled ('both'), all against the eager unpruned model")
-    parser.add_argument("--rounds", type=positive_int, default=7, help="timed rounds; the median is reported")
+    parser.add_argument("--rounds", type=positive_int, default=STEADY_ROUNDS,
+                        help="timed rounds; the median is reported")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
