@@ -186,7 +186,7 @@ def median_speedups(batch_seconds: Sequence[Sequence[float]]) -> List[float]:
     Args:
         batch_seconds: ``batch_seconds[i][b]``, setting ``i``'s time on batch ``b``.
     """
-    return [statistics.median(first / time for first, time in zip(batch_seconds[0], times))
+    return [statistics.median(first / own for first, own in zip(batch_seconds[0], times))
             for times in batch_seconds]
 
 
