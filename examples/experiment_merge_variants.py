@@ -81,15 +81,20 @@ def changed_merges(model: torch.nn.Module, change: Change, rounds: Optional[int]
     of each forward of ``model`` (every one when ``None``). The library's merge is back, and
     the hook that counts the rounds is gone, on leaving it, whatever happened."""
     plain = state.bipartite_merge
-    seen = [0]
+    seen = 0  # rounds merged so far in this forward
 
     def merge(tokens: torch.Tensor, keys: torch.Tensor, sizes: torch.Tensor, k: int, num_prefix: int,
               crowding: float = 0.0) -> merging.Merged:
+        nonlocal seen
         merged = plain(tokens, keys, sizes, k, num_prefix, crowding)
-        seen[0] += 1
-        return merged if rounds is not None and seen[0] > rounds else change(merged, tokens, num_prefix)
+        seen += 1
+        return merged if rounds is not None and seen > rounds else change(merged, tokens, num_prefix)
 
-    hook = model.register_forward_pre_hook(lambda module, args: seen.__setitem__(0, 0))
+    def restart(module: torch.nn.Module, args: Any) -> None:
+        nonlocal seen
+        seen = 0
+
+    hook = model.register_forward_pre_hook(restart)
     state.bipartite_merge = merge
     try:
         yield
