@@ -99,8 +99,9 @@ def test_json_rows_carry_the_schema(fashion_tree, tmp_path):
     assert result["command"].startswith("vitprune eval --checkpoint")
     assert set(result["versions"]) == {"vitprune", "torch", "timm"}
     keys = {"setting", "method", "keep_rate", "budget", "top1", "top5", "gflops", "flops_share", "images_per_s",
-            "speedup", "images"}
+            "speedup", "images", "batches"}
     assert all(keys <= set(row) for row in result["rows"])
+    assert all(row["batches"] == 2 for row in result["rows"])  # 100 images at the default batch of 64
     assert [r["method"] for r in result["rows"]] == ["unpruned", "default", "var", "merging"]
     for row in result["rows"][1:]:  # each fitted to 70 % of the unpruned FLOPs, from below
         assert row["budget"] == 0.7 and 0.6 < row["flops_share"] <= 0.7
@@ -116,6 +117,7 @@ def test_every_image_is_read_once_however_many_settings(fashion_tree, monkeypatc
     settings = build_settings(model, methods=["default", "var", "cls"], keep_rates=[0.9, 0.7, 0.5])
     rows = evaluate(model, folders.batches(dataset, 64, limit=300), settings)
     assert len(settings) == 10 and len(rows) == 10
+    assert all(r.images == 300 and r.batches == 5 for r in rows)  # 64, 64, 64, 64, 44
     assert sorted(reads) == folders.spread(len(dataset), 300) and len(set(reads)) == len(reads)
 
 

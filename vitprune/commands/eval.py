@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
     with tqdm(total=count, unit="img", desc=f"{len(settings)} settings", disable=args.no_progress) as bar:
         rows = evaluate(model, batches(dataset, args.batch_size, args.workers, args.limit), settings,
                         device=args.device, amp=args.amp, img_size=config["input_size"][-2:], progress=bar.update)
-    timed = -(-rows[0].images // args.batch_size)  # batches, the last one possibly short
+    timed = rows[0].batches
     heading = (f"{args.model or args.checkpoint} ({source}) on {rows[0].images} images of {args.data_dir}, "
                f"{args.device}{' autocast' if args.amp else ''}, batch {args.batch_size}; speedup: the median of "
                f"{timed} per-batch time ratios, measured in this run")

@@ -57,7 +57,8 @@ class Setting:
 @dataclass
 class Row:
     """What one setting measured (``top1``/``top5`` in percent; ``images_per_s`` over all the
-    batches, ``speedup`` over the unpruned model by :func:`median_speedups`)."""
+    batches, ``speedup`` over the unpruned model by :func:`median_speedups`, the median of
+    ``batches`` per-batch ratios)."""
 
     setting: str
     method: str
@@ -70,6 +71,7 @@ class Row:
     images_per_s: float
     speedup: float
     images: int
+    batches: int
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -247,5 +249,6 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     for setting, g, c1, c5, s, speedup in zip(settings, gflops, top1, top5, seconds, median_speedups(seconds)):
         rows.append(Row(setting=setting.label, method=setting.method, keep_rate=setting.keep_rate,
                         budget=setting.budget, top1=100 * c1 / seen, top5=100 * c5 / seen, gflops=g,
-                        flops_share=g / gflops[0], images_per_s=seen / sum(s), speedup=speedup, images=seen))
+                        flops_share=g / gflops[0], images_per_s=seen / sum(s), speedup=speedup, images=seen,
+                        batches=len(s)))
     return rows
