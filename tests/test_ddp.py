@@ -1,5 +1,7 @@
-"""Fine-tuning a patched model under DistributedDataParallel: 2 CPU processes (gloo),
-``find_unused_parameters=False``, gives the single-process result on the whole batch."""
+"""Fine-tuning a patched model on 2 CPU processes (gloo), each on its half of every batch,
+under DistributedDataParallel (``find_unused_parameters=False``) or sharded by
+``fully_shard`` (FSDP2), gives the single-process result on the whole batch: the defaults
+(merging in every block, the class token alone in the last) and the paper's method."""
 
 import os
 import socket
@@ -14,12 +16,29 @@ from torch.nn.parallel import DistributedDataParallel
 import vitprune
 
 WORLD, STEPS, BATCH = 2, 3, 8
+METHODS = {"defaults": {}, "paper": {"indicator": "var", "stages": (1, 2)}}
+fully_shard = getattr(getattr(dist, "fsdp", None), "fully_shard", None)  # public from torch 2.6
 
 
-def make_model():
+def make_model(method):
     torch.manual_seed(0)
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=4, embed_dim=64, num_heads=4, num_classes=5)
-    return vitprune.patch(model, indicator="var", keep_rate=0.6, stages=(1, 2))
+    return vitprune.patch(model, keep_rate=0.6, **METHODS[method])
+
+
+def distribute(model, how):
+    """``model`` under DDP, or sharded block by block and whole (FSDP2: in place)."""
+    if how == "ddp":
+        return DistributedDataParallel(model, find_unused_parameters=False)
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def full_state(model):
+    """The state dict with every sharded tensor gathered whole (a collective: every rank calls it)."""
+    return {name: value.full_tensor() if hasattr(value, "full_tensor") else value
+            for name, value in model.state_dict().items()}
 
 
 def batches():
@@ -39,14 +58,14 @@ def train(model, data, rank=0, world=1):
         optimizer.step()
 
 
-def worker(rank, port, out):
+def worker(rank, port, out, method, how):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        model = make_model().train()
-        train(DistributedDataParallel(model, find_unused_parameters=False), batches(), rank, WORLD)
-        torch.save(model.state_dict(), os.path.join(out, f"rank{rank}.pt"))
+        model = make_model(method).train()
+        train(distribute(model, how), batches(), rank, WORLD)
+        torch.save(full_state(model), os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -59,9 +78,13 @@ def free_port():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
-def test_ddp_two_processes_match_one_process_on_the_whole_batch(tmp_path):
-    mp.spawn(worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    reference = make_model().train()
+@pytest.mark.parametrize("how", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_two_processes_match_one_process_on_the_whole_batch(tmp_path, method, how):
+    if how == "fsdp2" and fully_shard is None:
+        pytest.skip("this torch has no torch.distributed.fsdp.fully_shard")
+    mp.spawn(worker, args=(free_port(), str(tmp_path), method, how), nprocs=WORLD, join=True)
+    reference = make_model(method).train()
     train(reference, batches())
     expected = reference.state_dict()
     for rank in range(WORLD):
