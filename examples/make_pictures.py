@@ -1,6 +1,6 @@
 """The kept-patch pictures in README.
 
-    pip install -e ".[docs]" && python examples/make_pictures.py
+    pip install -e ".[docs]" && python examples/make_pictures.py [--out docs/images]
 
 1. A real photograph that ships inside scikit-learn (``load_sample_image("china.jpg")``)
    through ``deit_small_patch16_224`` with random weights (nothing can be downloaded here):
@@ -15,6 +15,7 @@ fusion token), as ``vitprune show --indicator var`` draws it.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -63,6 +64,11 @@ def merged_groups(dataset: str = "fashion_mnist", keep_rate: float = 0.5, count:
 
 
 def main() -> None:
+    global OUT
+    parser = argparse.ArgumentParser(description="Draw the kept-patch pictures of README (needs scikit-learn: "
+                                     'pip install -e ".[docs]").')
+    parser.add_argument("--out", type=Path, default=OUT, help=f"folder the pictures go to (default: {OUT})")
+    OUT = parser.parse_args().out
     OUT.mkdir(parents=True, exist_ok=True)
     photograph()
     for dataset in datasets.DATASETS:
