@@ -6,11 +6,12 @@
 # (each setting replayed from a CUDA graph against eager, batch 256 and 1); then deit_small and
 # vit_base at bf16 autocast, batch 256, inference: eager with the defaults, var, medad and
 # token merging; the defaults' method in every second and every third block at the
-# defaults' FLOPs; eager and torch.compile side by side with var; compile times; last,
-# the defaults compiled. Correctness comes first so that a run cut short by a time limit still has it.
+# defaults' FLOPs; deit_small at 384 pixels, batch 64 and 1; eager and torch.compile side
+# by side with var; compile times; last, the defaults compiled. Correctness comes first so
+# that a run cut short by a time limit still has it.
 # Each step's output is written to OUT_DIR (default docs/bench) as it runs; a failing step
 # is reported and the rest still run, and the exit status is non-zero if any failed. Runs
-# from a source checkout without installing (python -m vitprune). It writes 14 files; where
+# from a source checkout without installing (python -m vitprune). It writes 16 files; where
 # only a few can come back, set GPU_BENCH_TAR=FILE: OUT_DIR is packed into that one .tgz after
 # every step, so a run stopped by a time limit still returns every step that finished.
 set -uo pipefail
@@ -38,6 +39,11 @@ done
 for model in deit_small_patch16_224 vit_base_patch16_224; do
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 0.842857 --indicators default --stages 1,3,5,7,9 --out "$out/gpu_${model}_every2.json"
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 0.748 --indicators default --stages 2,5,8 --out "$out/gpu_${model}_every3.json"
+done
+# At 384 pixels (576 patches), where on the CPU the defaults came closer to their FLOP ratio
+# at batch 1 (docs/speed.md): deit_small, eager, batch 64 and batch 1.
+for batch in 64 1; do
+  step python -m vitprune bench --model deit_small_patch16_224 --img-size 384 --device cuda --dtype bf16 --batch "$batch" --rounds 10 --warmup 3 --no-progress --keep-rates 0.7 --indicators default var --baseline merge --out "$out/gpu_deit_small_384_b${batch}.json"
 done
 for model in deit_small_patch16_224 vit_base_patch16_224; do
   step python -m vitprune bench --model "$model" "${common[@]}" --keep-rates 1.0 0.7 --indicators var --compile both --out "$out/gpu_${model}_compiled.json"
