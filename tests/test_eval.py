@@ -15,7 +15,8 @@ from vitprune.data import folders
 from vitprune.data.accuracy import accuracy
 from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
 from vitprune.measure.evaluate import build_settings, evaluate, median_speedups
-from vitprune.pictures.frontier import draw_frontier, pareto_front
+from vitprune.pictures import pyplot
+from vitprune.pictures.frontier import draw_frontier, draw_frontiers, pareto_front
 
 ASSET = str(checkpoint_path("fashion_mnist"))
 
@@ -161,6 +162,11 @@ def test_the_front_against_measured_speedup_is_of_the_fastest_not_of_the_fewest_
     assert front("speedup") == ([1.5, 1.0], "speedup over the unpruned model (measured)")
     with pytest.raises(ValueError, match="x must be one of .'gflops', 'speedup'., got 'flops'"):
         draw_frontier(rows, "t", x="flops")
+    _, axes = pyplot().subplots(1, 2)
+    draw_frontiers(rows, "t", axes)  # one per axis, in the order of AXES
+    assert [axis.get_xlabel() for axis in axes] == ["GFLOPs per image", "speedup over the unpruned model (measured)"]
+    with pytest.raises(ValueError, match="need 2 axes, one for each of"):
+        draw_frontiers(rows, "t", axes[:1])
 
 
 @pytest.fixture

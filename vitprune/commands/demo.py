@@ -23,7 +23,7 @@ from ..data.datasets import to_input
 from ..data.shipped import load_shipped, load_test_subset
 from ..measure.flops import analytic_flops
 from ..pictures import pyplot
-from ..pictures.frontier import AXES, draw_frontier
+from ..pictures.frontier import AXES, draw_frontiers
 from .bench import time_interleaved
 
 
@@ -69,14 +69,13 @@ def run_dataset(dataset: str, indicators: Sequence[str], keep_rates: Sequence[fl
 
 def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
     """Accuracy against GFLOPs (top row) and against the measured speedup (bottom row), one
-    column per dataset, one line per method (``draw_frontier``)."""
+    column per dataset, one line per method (``draw_frontiers``)."""
     datasets = list(dict.fromkeys(r["dataset"] for r in rows))
     figure, axes = pyplot(files_only=True).subplots(len(AXES), len(datasets), figsize=(5.5 * len(datasets), 8.4),
                                                      squeeze=False)
     for column, dataset in enumerate(datasets):
         subset = [{**r, "top1": 100 * r["accuracy"], "budget": None} for r in rows if r["dataset"] == dataset]
-        for row, x in enumerate(AXES):
-            draw_frontier(subset, f"{dataset} ({subset[0]['images']} test images)", axis=axes[row][column], x=x)
+        draw_frontiers(subset, f"{dataset} ({subset[0]['images']} test images)", axes[:, column])
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 

@@ -153,11 +153,10 @@ def main(args: argparse.Namespace) -> int:
         write(result, args.out)
         print(f"wrote {args.out}")
     if args.plot:
-        from ..pictures.frontier import AXES, draw_frontier
+        from ..pictures.frontier import AXES, draw_frontiers
 
         figure, axes = pyplot(files_only=True).subplots(1, len(AXES), figsize=(6.5 * len(AXES), 4.5))
-        for axis, x in zip(axes, AXES):  # against GFLOPs, and against the speedup measured in this run
-            draw_frontier(result["rows"], f"{result['model']} on {rows[0].images} images", axis=axis, x=x)
+        draw_frontiers(result["rows"], f"{result['model']} on {rows[0].images} images", axes)
         figure.savefig(args.plot, dpi=110)
         print(f"wrote {args.plot}")
     return 0

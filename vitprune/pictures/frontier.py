@@ -86,3 +86,12 @@ def draw_frontier(rows: Sequence[Dict[str, Any]], title: str, metric: str = "top
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def draw_frontiers(rows: Sequence[Dict[str, Any]], title: str, axes: Sequence[Any]) -> None:
+    """:func:`draw_frontier` of ``rows`` against each of :data:`AXES` in turn, into ``axes``
+    (one per axis: against GFLOPs, then against the measured speedup)."""
+    if len(axes) != len(AXES):
+        raise ValueError(f"need {len(AXES)} axes, one for each of {AXES}, got {len(axes)}")
+    for axis, x in zip(axes, AXES):
+        draw_frontier(rows, title, axis=axis, x=x)
