@@ -97,4 +97,5 @@ def test_ci_runs_the_minimums_on_the_oldest_python_pyproject_states():
     root = Path(__file__).resolve().parent.parent
     oldest = re.search(r'requires-python = ">=([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)
     run = (root / ".ci" / "run").read_text()
-    assert f"/versions/{oldest}*/bin/python python{oldest};" in run
+    assert 'pythons="${PYENV_ROOT:-$HOME/.pyenv}/versions"' in run
+    assert f'oldest="$(first_python "$pythons"/{oldest}*/bin/python python{oldest})"' in run
