@@ -68,7 +68,7 @@ def newer_block(name):
     (lambda: timm.create_model("naflexvit_base_patch16_gap", depth=2), "NaFlexVit: it packs"),
     (lambda: timm.create_model("hiera_tiny_224"), "Hiera: it is hierarchical"),
     (lambda: timm.create_model("xcit_nano_12_p16_224"), "Xcit: its cross-covariance attention"),
-    (lambda: timm.create_model("cait_xxs24_224", depth=2), "Cait: its patch tokens never attend"),
+    (lambda: timm.create_model("cait_xxs24_224", depth=2), "Cait: its talking-heads attention mixes the heads"),
     (lambda: VisionTransformerSAM(img_size=64, embed_dim=32, depth=2, num_heads=2, window_size=2,
                                   global_attn_indexes=(1,)), "VisionTransformerSAM: its windowed"),
 ])

@@ -190,8 +190,9 @@ REFUSED = {
     "Xcit": "its cross-covariance attention mixes channels, not tokens: there is no per-patch "
             "attention to score, and its local patch interaction needs the full grid",
     "VisionTransformerSAM": "its windowed attention blocks partition the full token grid into windows",
-    "Cait": "its patch tokens never attend to the class token (it joins only in the last class-attention "
-            "blocks), so the self-attention blocks have no class-token row to score",
+    "Cait": "its talking-heads attention mixes the heads before and after the softmax, and its class token "
+            "joins only in the class-attention blocks after the others: vitprune runs neither on reduced "
+            "tokens (size-aware attention and the scored rows would need both)",
     "SwinTransformer": "its windowed attention and patch merging need the full token grid",
     "PyramidVisionTransformerV2": "it is hierarchical (spatial-reduction attention on the full grid)",
     "Twins": "its locally-grouped attention needs the full token grid",
