@@ -47,6 +47,29 @@ def test_a_checkpoint_of_another_depth_loads_at_its_depth(tmp_path):
         build("fashion_mnist", depth=0)
 
 
+@pytest.mark.parametrize("dataset, patch_size", [("fashion_mnist", 2), ("cluttered", 4)])
+def test_a_checkpoint_with_smaller_patches_loads_with_them(tmp_path, dataset, patch_size):
+    """deit_small's 196 patches on our data: the patch size travels in the record."""
+    model = build(dataset, depth=2, patch_size=patch_size)
+    assert model.patch_embed.num_patches == 196 and model.pos_embed.shape[1] == 197
+    record = {"dataset": dataset, "model_args": {"depth": 2, "patch_size": patch_size}, "seed": 0,
+              "state_dict": model.state_dict()}
+    torch.save(record, tmp_path / "fine.pt")
+    loaded, _ = load_checkpoint(tmp_path / "fine.pt")
+    side = model.patch_embed.img_size[0]
+    x = torch.randn(2, 1, side, side)
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+
+
+def test_a_patch_size_that_does_not_divide_the_images_is_refused():
+    with pytest.raises(ValueError, match=r"patch_size must divide the 28-pixel fashion_mnist images; "
+                                         r"accepted: 1, 2, 4, 7, 14, 28; got 3"):
+        build("fashion_mnist", patch_size=3)
+    with pytest.raises(ValueError, match="accepted: 1, 2, 4, 7, 8, 14, 28, 56; got 0"):
+        build("cluttered", patch_size=0)
+
+
 def test_the_fashion_mnist_model_meets_its_accuracy_target():
     _, record = load_shipped("fashion_mnist")
     assert record["test_accuracy"] >= 0.89  # on the full 10,000-image test split, when trained
