@@ -33,16 +33,23 @@ def test_shipped_files_are_small_and_say_how_they_were_made(dataset):
     assert images.shape[1:] == tuple(model.patch_embed.img_size)
 
 
-def test_a_checkpoint_of_another_depth_loads_at_its_depth(tmp_path):
-    model = build("fashion_mnist", depth=3)
-    record = {"dataset": "fashion_mnist", "model_args": {"depth": 3}, "seed": 0,
-              "state_dict": model.state_dict()}
-    torch.save(record, tmp_path / "deep.pt")
-    loaded, kept = load_checkpoint(tmp_path / "deep.pt")
-    assert len(loaded.blocks) == 3 and "state_dict" not in kept
-    x = torch.randn(2, 1, 28, 28)
+def saved_and_loaded(tmp_path, dataset, **model_args):
+    """A model built with ``model_args``, saved as a train_small_vit.py record and loaded back
+    with ``load_checkpoint``, which must give its logits exactly: (built, loaded, record kept)."""
+    model = build(dataset, **model_args)
+    torch.save({"dataset": dataset, "model_args": model_args, "seed": 0, "state_dict": model.state_dict()},
+               tmp_path / "saved.pt")
+    loaded, kept = load_checkpoint(tmp_path / "saved.pt")
+    side = model.patch_embed.img_size[0]
+    x = torch.randn(2, 1, side, side)
     with torch.inference_mode():
         torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+    return model, loaded, kept
+
+
+def test_a_checkpoint_of_another_depth_loads_at_its_depth(tmp_path):
+    _, loaded, kept = saved_and_loaded(tmp_path, "fashion_mnist", depth=3)
+    assert len(loaded.blocks) == 3 and "state_dict" not in kept
     with pytest.raises(ValueError, match="depth must be a positive"):
         build("fashion_mnist", depth=0)
 
@@ -50,16 +57,9 @@ def test_a_checkpoint_of_another_depth_loads_at_its_depth(tmp_path):
 @pytest.mark.parametrize("dataset, patch_size", [("fashion_mnist", 2), ("cluttered", 4)])
 def test_a_checkpoint_with_smaller_patches_loads_with_them(tmp_path, dataset, patch_size):
     """deit_small's 196 patches on our data: the patch size travels in the record."""
-    model = build(dataset, depth=2, patch_size=patch_size)
-    assert model.patch_embed.num_patches == 196 and model.pos_embed.shape[1] == 197
-    record = {"dataset": dataset, "model_args": {"depth": 2, "patch_size": patch_size}, "seed": 0,
-              "state_dict": model.state_dict()}
-    torch.save(record, tmp_path / "fine.pt")
-    loaded, _ = load_checkpoint(tmp_path / "fine.pt")
-    side = model.patch_embed.img_size[0]
-    x = torch.randn(2, 1, side, side)
-    with torch.inference_mode():
-        torch.testing.assert_close(loaded(x), model.eval()(x), rtol=0, atol=0)
+    model, loaded, _ = saved_and_loaded(tmp_path, dataset, depth=2, patch_size=patch_size)
+    assert model.patch_embed.num_patches == loaded.patch_embed.num_patches == 196
+    assert model.pos_embed.shape[1] == 197
 
 
 def test_a_patch_size_that_does_not_divide_the_images_is_refused():
