@@ -1,8 +1,10 @@
 """The shipped checkpoints and test subsets, and the demo that uses them."""
 
+import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,6 +70,23 @@ def test_a_patch_size_that_does_not_divide_the_images_is_refused():
         build("fashion_mnist", patch_size=3)
     with pytest.raises(ValueError, match="accepted: 1, 2, 4, 7, 8, 14, 28, 56; got 0"):
         build("cluttered", patch_size=0)
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"patch_size": 2.0}, "patch_size must be a whole number (int), got float 2.0"),
+    ({"patch_size": True}, "patch_size must be a whole number (int), got bool True"),
+    ({"depth": 3.0}, "depth must be a whole number (int), got float 3.0"),
+])
+def test_a_size_that_is_not_a_whole_number_is_refused(options, named):
+    """timm would build with a float patch size (and fail later, or keep the float in its
+    config): refused by name before anything is built."""
+    with pytest.raises(TypeError, match=re.escape(named)):
+        build("fashion_mnist", **options)
+
+
+def test_numpy_integers_are_whole_numbers():
+    model = build("fashion_mnist", depth=np.int64(2), patch_size=np.int64(2))
+    assert len(model.blocks) == 2 and model.patch_embed.num_patches == 196
 
 
 def test_the_fashion_mnist_model_meets_its_accuracy_target():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import numbers
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
@@ -30,6 +31,9 @@ def build(dataset: str, depth: Optional[int] = None, patch_size: Optional[int] =
     give deit_small's 14 x 14), when given."""
     if dataset not in MODEL_ARGS:
         raise ValueError(f"unknown dataset {dataset!r}; accepted: {', '.join(DATASETS)}")
+    for name, value in (("depth", depth), ("patch_size", patch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{name} must be a whole number (int), got {type(value).__name__} {value!r}")
     if depth is not None and depth < 1:
         raise ValueError(f"depth must be a positive number of blocks, got {depth}")
     side = MODEL_ARGS[dataset]["img_size"]
@@ -37,9 +41,9 @@ def build(dataset: str, depth: Optional[int] = None, patch_size: Optional[int] =
         sizes = ", ".join(str(s) for s in range(1, side + 1) if side % s == 0)
         raise ValueError(f"patch_size must divide the {side}-pixel {dataset} images; accepted: {sizes}; "
                          f"got {patch_size}")
-    options = {} if depth is None else {"depth": depth}
+    options = {} if depth is None else {"depth": int(depth)}
     if patch_size is not None:
-        options["patch_size"] = patch_size
+        options["patch_size"] = int(patch_size)
     return timm.create_model("vit_tiny_patch16_224", pretrained=False, **{**MODEL_ARGS[dataset], **options})
 
 
