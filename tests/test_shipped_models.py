@@ -78,8 +78,8 @@ def test_a_patch_size_that_does_not_divide_the_images_is_refused():
     ({"depth": 3.0}, "depth must be a whole number (int), got float 3.0"),
 ])
 def test_a_size_that_is_not_a_whole_number_is_refused(options, named):
-    """timm would build with a float patch size (and fail later, or keep the float in its
-    config): refused by name before anything is built."""
+    """Handed on, a float patch size failed inside torch's ``empty`` while timm built the
+    patch convolution, with a message that named neither: refused by name before."""
     with pytest.raises(TypeError, match=re.escape(named)):
         build("fashion_mnist", **options)
 
