@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
+
+from .numeric import is_real, is_whole
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -76,6 +77,8 @@ def default_stages(depth: int) -> Tuple[int, ...]:
     Block ``floor(depth * f)`` for ``f`` in 1/4, 2/4, 3/4, duplicates removed:
     ``(3, 6, 9)`` for 12 blocks, ``(6, 12, 18)`` for 24, ``(1, 3, 4)`` for 6.
     """
+    if not is_whole(depth):
+        raise TypeError(f"depth must be a whole number of blocks (int), got {type(depth).__name__} {depth!r}")
     if depth < 1:
         raise ValueError(f"a model needs at least one block to prune, got depth={depth}")
     return tuple(sorted({int(depth * f) for f in PAPER_STAGE_FRACTIONS}))
@@ -94,7 +97,7 @@ def spread_blocks(depth: int, step: int) -> Tuple[int, ...]:
 
 
 def _check_keep_rate(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(float(value)):
+    if not is_real(value) or math.isnan(float(value)):
         raise TypeError(f"keep_rate must be a float in (0, 1], got {value!r}")
     if not 0.0 < float(value) <= 1.0:
         raise ValueError(f"keep_rate must be in (0, 1], got {value!r}")
@@ -102,7 +105,7 @@ def _check_keep_rate(value: object) -> float:
 
 
 def _check_stage(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral):
+    if not is_whole(value):
         raise TypeError(f"stages must hold block indices (int), got {value!r}")
     if value < 0:
         raise ValueError(f"stages are 0-indexed block indices, got negative index {value}")
@@ -229,7 +232,7 @@ class PruneConfig:
                     "give one keep_rate per stage, or a single float for all"
                 )
 
-        if isinstance(self.T, bool) or not isinstance(self.T, Real) or math.isnan(float(self.T)):
+        if not is_real(self.T) or math.isnan(float(self.T)):
             raise TypeError(f"T must be a positive float, got {self.T!r}")
         if not float(self.T) > 0:
             raise ValueError(f"T must be > 0 (math.inf for mean pooling), got {self.T!r}")
@@ -250,13 +253,13 @@ class PruneConfig:
             raise TypeError(f"class_only_last must be True, False or None (on where exact), "
                             f"got {self.class_only_last!r}")
         if self.seed is not None:
-            if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
+            if not is_whole(self.seed):
                 raise TypeError(f"seed must be an int or None, got {self.seed!r}")
             if self.indicator != "random":
                 raise ValueError(f"seed only applies to indicator='random', not {self.indicator!r}")
             object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer too: torch's generator takes int
         if self.overlap_stride is not None:
-            if isinstance(self.overlap_stride, bool) or not isinstance(self.overlap_stride, Integral):
+            if not is_whole(self.overlap_stride):
                 raise TypeError(f"overlap_stride must be a positive int or None, got {self.overlap_stride!r}")
             if self.overlap_stride < 1:
                 raise ValueError(f"overlap_stride must be a positive int, got {self.overlap_stride}")
@@ -266,7 +269,7 @@ class PruneConfig:
         value = self.crowding
         if value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        if not is_real(value) or not math.isfinite(float(value)):
             raise TypeError(f"crowding must be a finite float >= 0 or None, got {value!r}")
         if value < 0:
             raise ValueError(f"crowding must be >= 0 (0: token merging's order), got {value!r}")

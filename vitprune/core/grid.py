@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
+from .numeric import is_whole
 from .stem import run_stem, stem_of
 
 
@@ -82,7 +83,7 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
         return own
     pair = (img_size, img_size) if isinstance(img_size, Integral) else img_size
     if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
-            or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in pair)):
+            or not all(is_whole(s) for s in pair)):
         raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
     pair = int(pair[0]), int(pair[1])
     conv = patch_conv(model)

@@ -323,7 +323,7 @@ class PruneState:
                 "export a patched model (it has no stable sort, and given topk instead its graph of the merges "
                 "computed other outputs); use torch.onnx.export(..., dynamo=True), or torch.export"
             )
-        if is_exporting() and isinstance(x.shape[1], torch.SymInt):
+        if is_exporting() and isinstance(x.shape[1], torch.SymInt):  # type: ignore[unreachable]  # typed int
             raise ValueError(
                 "vitprune: torch.export was asked for a dynamic image size, but a patched model's token "
                 "counts are fixed for each image size, so its graph cannot hold every size; mark only the "

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from numbers import Integral
-from typing import Optional
+from typing import Optional, Tuple, cast
 
 import torch
 from torch import nn
 
+from .numeric import is_whole
 from .patching import state_of, token_groups
 from .registry import blocks_of
 
@@ -53,15 +53,16 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
     depth = len(blocks_of(model))
     if block is None:
         block = depth - 1
-    if isinstance(block, bool) or not isinstance(block, Integral):
+    if not is_whole(block):
         raise TypeError(f"block must be an int or None, got {type(block).__name__} {block!r}")
     if not -depth <= block < depth:
         raise ValueError(f"block must be in [{-depth}, {depth - 1}] (this model has {depth} blocks), got {block}")
     block = int(block) % depth
-    if not state.config.stages:  # a patch that never reduces
+    stages = cast(Tuple[int, ...], state.config.stages)  # resolved by patch: block indices
+    if not stages:  # a patch that never reduces
         return tokens
     groups = token_groups(model)
-    stage = sum(1 for s in state.config.stages if s <= block) - 1  # the last stage at or before the block
+    stage = sum(1 for s in stages if s <= block) - 1  # the last stage at or before the block
     B, L, C = tokens.shape
     N, P = groups[0].shape[1], state.num_prefix
     if stage < 0:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
-from numbers import Integral
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 import timm
 import torch
 
+from ..core.numeric import is_whole
 from .datasets import DATASETS, MEAN, STD
 
 ASSETS = Path(__file__).parent.parent / "assets"  # vitprune/assets
@@ -32,7 +32,7 @@ def build(dataset: str, depth: Optional[int] = None, patch_size: Optional[int] =
     if dataset not in MODEL_ARGS:
         raise ValueError(f"unknown dataset {dataset!r}; accepted: {', '.join(DATASETS)}")
     for name, value in (("depth", depth), ("patch_size", patch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)):
+        if value is not None and not is_whole(value):
             raise TypeError(f"{name} must be a whole number (int), got {type(value).__name__} {value!r}")
     if depth is not None and depth < 1:
         raise ValueError(f"depth must be a positive number of blocks, got {depth}")

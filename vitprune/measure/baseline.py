@@ -19,7 +19,9 @@ from torch import nn
 
 from ..core.config import PruneConfig
 from ..core.grid import num_patches
+from ..core.numeric import is_whole
 from ..core.registry import blocks_of
+from .budget import check_target
 from .flops import flop_counter
 
 
@@ -37,14 +39,15 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
     """
     depth = len(blocks_of(model))
     wanted = f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}"
-    if isinstance(r, int) and not isinstance(r, bool):
+    if is_whole(r):
         amounts = [r] * depth
-    elif isinstance(r, Sequence) and not isinstance(r, str):
+    elif isinstance(r, Sequence) and not isinstance(r, str):  # type: ignore[unreachable]  # a str is typed out
         amounts = list(r)
     else:
         raise TypeError(wanted)
-    if len(amounts) != depth or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in amounts):
+    if len(amounts) != depth or any(not is_whole(a) or a < 0 for a in amounts):
         raise ValueError(wanted)
+    amounts = [int(a) for a in amounts]  # a NumPy integer too
     n = num_patches(model, img_size)
     rates = []
     for amount in amounts:
@@ -64,10 +67,11 @@ def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Seque
     ``class_only_last`` as in :func:`merging_config`.
 
     Raises:
-        ValueError: Even merging half the tokens in every block costs more.
+        TypeError: ``target_gflops`` is not a number.
+        ValueError: ``target_gflops`` is not > 0 and finite, or even merging half the tokens
+            in every block costs more.
     """
-    if not target_gflops > 0:
-        raise ValueError(f"target_gflops must be > 0, got {target_gflops!r}")
+    check_target(target_gflops)
     depth, most = len(blocks_of(model)), num_patches(model, img_size) // 2
     flops = flop_counter(model, img_size)
     for r in range(most + 1):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from numbers import Real
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 from torch import nn
 
 from ..core.config import SPREAD, PruneConfig, Stages
 from ..core.grid import input_size, num_patches
+from ..core.numeric import is_real
 from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
 
@@ -27,8 +27,9 @@ def _config(rate: float, stages: Stages, fuse: Optional[bool], stride: Optional[
     return PruneConfig(keep_rate=rate, stages=stages, fuse=fuse, overlap_stride=stride, **options)
 
 
-def _check_target(target_gflops: Any) -> None:
-    if isinstance(target_gflops, bool) or not isinstance(target_gflops, Real):
+def check_target(target_gflops: Any) -> None:
+    """A budget in GFLOPs: a real number, > 0 and finite (``fit_keep_rate``, ``fit_merging``)."""
+    if not is_real(target_gflops):
         raise TypeError(f"target_gflops must be a number of GFLOPs, got {type(target_gflops).__name__} "
                         f"{target_gflops!r}")
     if not 0 < float(target_gflops) < math.inf:
@@ -87,7 +88,7 @@ def fit_keep_rate(
             for this model (as ``patch`` would say), or the budget is below what keeping
             one token per stage costs.
     """
-    _check_target(target_gflops)
+    check_target(target_gflops)
     stages = _read_once(stages)
     check_options({**options, "stages": stages, "fuse": fuse, "overlap_stride": overlap_stride})
     _check_fit(model, _config(1.0, stages, fuse, overlap_stride, options), img_size)
@@ -185,7 +186,7 @@ def fit_overlap(
     Raises:
         ValueError: ``min_keep_rate`` is outside (0, 1], or no stride reaches it.
     """
-    if not 0 < min_keep_rate <= 1:
+    if not is_real(min_keep_rate) or not 0 < min_keep_rate <= 1:
         raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
     choices = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size, **options)
     fitting = [option for option in choices if option.keep_rate >= min_keep_rate]

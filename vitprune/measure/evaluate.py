@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_METHOD, INDICATORS, method_options
+from ..core.numeric import is_real
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -127,8 +128,9 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
     for value, what in [(r, "keep rate") for r in keep_rates] + [(b, "budget") for b in budgets]:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        if not is_real(value) or not 0 < value <= 1:
             raise ValueError(f"a {what} must be in (0, 1], got {value!r}")
+    keep_rates, budgets = [float(r) for r in keep_rates], [float(b) for b in budgets]  # NumPy's too: JSON takes them
     check_model(model)
     unpruned = gflops_of(model, img_size)
     scratch = copy.deepcopy(model)  # patched again for each check: patch replaces the previous patch

@@ -1,0 +1,30 @@
+"""What the public functions take as a whole number and as a real number.
+
+Python counts ``True`` as the integer 1, and sweeps often hand over NumPy scalars
+(``np.int64`` from ``np.arange``, ``np.float32`` from a float32 array). Every argument
+check asks these two questions the same way, so a value one function takes is taken by
+all of them, and a bool is refused everywhere rather than read as 0 or 1.
+
+For a type checker the two narrow to ``int`` and ``float``, which a NumPy integer or float
+stands in for in every use here; typeshed's ``numbers.Integral`` and ``Real`` support too
+little arithmetic to be worth naming.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral, Real
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing's own from Python 3.10; torch requires typing_extensions
+    from typing_extensions import TypeGuard
+
+
+def is_whole(value: object) -> TypeGuard[int]:
+    """An ``int`` or another integer type (NumPy's, say), but not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> TypeGuard[float]:
+    """A real number (``int``, ``float``, a NumPy float or integer, a ``Fraction``), but not
+    a bool. NaN and infinity pass: each caller says which range it accepts."""
+    return isinstance(value, Real) and not isinstance(value, bool)
