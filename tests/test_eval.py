@@ -122,6 +122,21 @@ def test_every_image_is_read_once_however_many_settings(fashion_tree, monkeypatc
     assert sorted(reads) == folders.spread(len(dataset), 300) and len(set(reads)) == len(reads)
 
 
+@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "2"])
+def test_a_limit_that_is_no_count_of_images_is_refused_before_any_data_is_read(limit):
+    """0 and -1 read as 'the data is empty', True as one image; 2.5 and "2" failed in a slice."""
+    model, _ = load_shipped("fashion_mnist")
+    read = []
+
+    def batches():
+        read.append(True)
+        yield torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)
+
+    with pytest.raises(ValueError, match=rf"limit must be a whole number of images >= 1, or None for all, got {limit!r}"):
+        evaluate(model, batches(), build_settings(model, keep_rates=[0.7]), limit=limit)
+    assert not read
+
+
 def test_a_limit_samples_every_class(fashion_tree):
     model, _ = load_shipped("fashion_mnist")
     dataset = folders.open_images(str(fashion_tree), "validation", data_config(model))

@@ -166,6 +166,28 @@ def test_fit_overlap_matches_the_unpruned_budget(tiny):
         fit_overlap(tiny, 0.5, min_keep_rate=0.99)
 
 
+@pytest.mark.parametrize("arguments, error, match", [
+    ({"target_gflops": 0}, ValueError, "target_gflops must be > 0 and finite, got 0"),
+    ({"target_gflops": float("nan")}, ValueError, "target_gflops must be > 0 and finite, got nan"),
+    ({"stages": (3, 99)}, ValueError, r"stages \[99\] out of range: the model has 12 blocks"),
+    ({"indicator": "entropy"}, ValueError, "unknown indicator 'entropy'; accepted: 'var'"),
+    ({"overlap_stride": 4}, TypeError, "overlap_options tries every stride itself: leave overlap_stride out"),
+])
+def test_overlap_options_pass_on_what_fit_keep_rate_refuses(tiny, arguments, error, match):
+    """Each of these gave an empty list (a bad option read as 'no stride fits'), and fit_overlap
+    then said that no stride keeps 0.5 of the tokens; overlap_stride was Python's own
+    'multiple values for keyword argument'."""
+    for fit in (overlap_options, fit_overlap):
+        with pytest.raises(error, match=match):
+            fit(tiny, **arguments)
+
+
+def test_a_budget_no_stride_meets_is_an_empty_list_and_named_by_fit_overlap(tiny):
+    assert overlap_options(tiny, 0.001) == []
+    with pytest.raises(ValueError, match="no keep rate meets the budget even without overlap"):
+        fit_overlap(tiny, 0.001)
+
+
 def small_dynamic_and_static():
     """deit_tiny at 64 x 64 (random weights), built with and without ``dynamic_img_size``."""
     torch.manual_seed(0)

@@ -146,6 +146,32 @@ def test_visualize_draws_groups_and_refuses_an_unknown_view():
         visualize(model, torch.randn(2, 3, 64, 64), show="merged")
 
 
+@pytest.mark.parametrize("options, match", [
+    ({"dim": 1.5}, r"dim is the brightness of pruned pixels against kept ones, in \[0, 1\], got 1.5"),
+    ({"dim": -0.1}, r"in \[0, 1\], got -0.1"),  # both drew, clipped by matplotlib with a warning
+    ({"dim": "0.5"}, r"in \[0, 1\], got '0.5'"),  # failed deep in torch
+    ({"dim": float("nan")}, r"in \[0, 1\], got nan"),
+    ({"panel_inches": 0}, r"panel_inches must be > 0 and finite, got 0"),  # numpy's 'Singular matrix'
+    ({"panel_inches": float("inf")}, r"panel_inches must be > 0 and finite, got inf"),
+])
+def test_visualize_refuses_a_bad_brightness_or_size_before_the_model_runs(options, match):
+    model = small_model(keep_rate=0.5)
+    with pytest.raises(ValueError, match=match):
+        visualize(model, torch.randn(1, 3, 64, 64), **options)
+    with pytest.raises(ValueError, match="run a forward pass"):  # nothing ran
+        kept_masks(model, (64, 64))
+
+
+def test_masks_take_a_side_or_a_pair_and_name_anything_else():
+    model = small_model(keep_rate=0.5)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    assert torch.equal(kept_masks(model, 64), kept_masks(model, (64, 64)))
+    for bad in ((64.0, 64), "64", True, (64, 64, 3)):  # each failed inside the drawing code
+        with pytest.raises(TypeError, match=r"img_size must be an int or a pair of ints \(H, W\)"):
+            kept_masks(model, bad)
+
+
 def test_masks_need_a_forward_first():
     with pytest.raises(ValueError, match="run a forward pass"):
         kept_masks(small_model(keep_rate=0.5), (64, 64))

@@ -17,6 +17,11 @@ _BISECTION_STEPS = 60
 _MIN_RATE = 1e-9  # every stage keeps one token
 
 
+class _OutOfReach(ValueError):
+    """No keep rate meets the budget: what ``overlap_options`` stops at, where any other
+    ``ValueError`` (a bad option) is the caller's to see."""
+
+
 def _read_once(stages: Stages) -> Stages:
     """``stages`` kept for many configs: an iterator (which ``patch`` accepts) read into a tuple."""
     return tuple(stages) if isinstance(stages, Iterator) else stages
@@ -102,7 +107,7 @@ def fit_keep_rate(
     if flops(1.0) <= target:
         return 1.0
     if flops(_MIN_RATE) > target:
-        raise ValueError(
+        raise _OutOfReach(
             f"no keep rate meets {target_gflops:.4g} GFLOPs with these stages: keeping one token "
             f"per stage already costs {flops(_MIN_RATE) / 1e9:.4g} GFLOPs; prune earlier or add stages"
         )
@@ -148,17 +153,25 @@ def overlap_options(
     Returns:
         One option per stride that some keep rate can fit, largest stride first;
         ``tokens`` is the number of patch tokens the stride makes.
+
+    Raises:
+        TypeError, ValueError: What :func:`fit_keep_rate` would raise for the budget or an
+            option (an empty list means only that no stride fits the budget), or
+            ``overlap_stride`` among the options.
     """
+    if "overlap_stride" in options:
+        raise TypeError("overlap_options tries every stride itself: leave overlap_stride out")
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
+    check_target(target_gflops)
     stages = _read_once(stages)
     found = []
     for stride in range(min(getattr(model.patch_embed, "patch_size")), 0, -1):
         try:
             rate = fit_keep_rate(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size,
                                  overlap_stride=stride, **options)
-        except ValueError:
-            break  # smaller strides only cost more
+        except _OutOfReach:
+            break  # smaller strides only cost more (a bad option raises at the first stride)
         config = _config(rate, stages, fuse, stride, options)
         found.append(OverlapOption(stride, rate, schedule_flops(model, config, img_size) / 1e9,
                                    num_patches(model, img_size, stride)))
@@ -184,11 +197,16 @@ def fit_overlap(
     ``stages``, ``fuse`` and ``options`` (:class:`PruneConfig` fields) given here.
 
     Raises:
-        ValueError: ``min_keep_rate`` is outside (0, 1], or no stride reaches it.
+        TypeError, ValueError: What :func:`overlap_options` raises.
+        ValueError: ``min_keep_rate`` is outside (0, 1], no keep rate meets the budget even
+            without overlap, or no stride reaches ``min_keep_rate``.
     """
     if not is_real(min_keep_rate) or not 0 < min_keep_rate <= 1:
         raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
     choices = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size, **options)
+    if not choices:
+        raise ValueError("no keep rate meets the budget even without overlap (at the patch size's stride); "
+                         "fit_keep_rate says what the least pruning costs")
     fitting = [option for option in choices if option.keep_rate >= min_keep_rate]
     if not fitting:
         raise ValueError(

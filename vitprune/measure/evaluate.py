@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_METHOD, INDICATORS, method_options
-from ..core.numeric import is_real
+from ..core.numeric import is_real, is_whole
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -207,14 +207,20 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
         device: Where the models run.
         amp: Run under ``torch.autocast`` (bfloat16 on CPU, float16 on CUDA).
         img_size: The input size, for the FLOP count (the model's own when ``None``).
-        limit: Stop after this many images.
+        limit: Stop after this many images (a whole number >= 1; ``None``: all of them).
         progress: Called with the number of images of each batch once all settings ran it.
 
     Returns:
         One :class:`Row` per setting, in order.
+
+    Raises:
+        ValueError: The first setting is not the unpruned model, ``limit`` is not a whole
+            number >= 1 (checked before any model is copied), or no batch held an image.
     """
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
+    if limit is not None and (not is_whole(limit) or limit < 1):
+        raise ValueError(f"limit must be a whole number of images >= 1, or None for all, got {limit!r}")
     device = torch.device(device)
     models = [apply_setting(copy.deepcopy(model), s).to(device).eval() for s in settings]
     gflops = [gflops_of(m, img_size) for m in models]

@@ -3,14 +3,16 @@ clear, or every group of patches merged into one token in its mean colour."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import SHOW, Show, pyplot
-from ..core.grid import conv_grid, conv_padding, forward_options, patch_conv, patch_grid
+from ..core.grid import conv_grid, conv_padding, forward_options, input_size, patch_conv, patch_grid
 from ..core.modes import evaluating
+from ..core.numeric import is_real
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 from ..core.stem import stem_of
 
@@ -57,10 +59,16 @@ def kept_masks(model: nn.Module, img_size: Tuple[int, int],
 
     Args:
         model: A patched model that has run a forward on ``img_size`` inputs.
-        img_size: ``(H, W)`` of those inputs.
+        img_size: ``(H, W)`` of those inputs (an int for a square).
         positions: :func:`vitprune.kept_positions` output; read from the model when ``None``.
+
+    Raises:
+        TypeError: ``img_size`` is not an int or a pair of ints.
+        ValueError: The patch has no stages, no forward has run on this thread, or
+            ``img_size`` is not that forward's.
     """
     _check_stages(model)
+    img_size = input_size(model, img_size)
     recorded = None
     if positions is None:
         positions, recorded = kept_positions(model), state_of(model).records.patches
@@ -203,9 +211,18 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
     Returns:
         A ``matplotlib.figure.Figure``: one row per image, one column for the input and one
         per stage ("after block b: k kept").
+
+    Raises:
+        ValueError: ``show``, ``dim`` (a number in [0, 1]) or ``panel_inches`` (a number
+            > 0) is out of range, checked before the model runs; or the images or titles do
+            not fit each other.
     """
     if show not in SHOW:
         raise ValueError(f"unknown show {show!r}; accepted: {', '.join(map(repr, SHOW))}")
+    if not is_real(dim) or not 0 <= dim <= 1:
+        raise ValueError(f"dim is the brightness of pruned pixels against kept ones, in [0, 1], got {dim!r}")
+    if not is_real(panel_inches) or not 0 < panel_inches < math.inf:
+        raise ValueError(f"panel_inches must be > 0 and finite, got {panel_inches!r}")
     plt = pyplot()  # the caller's backend: no switching under a notebook
 
     config = get_config(model)
