@@ -24,7 +24,7 @@ def main() -> None:
     for index, (image, label) in enumerate(zip(images, labels)):
         folder = root / f"{int(label)}"
         folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(image.numpy(), mode="L").save(folder / f"{index:05d}.png")
+        Image.fromarray(image.numpy()).save(folder / f"{index:05d}.png")  # uint8 (H, W): mode L
     print(f"wrote {len(images)} images in {len(set(labels.tolist()))} class folders under {root}")
 
 

@@ -29,7 +29,7 @@ def fashion_tree(tmp_path_factory):
     for index, (image, label) in enumerate(zip(images, labels)):
         folder = root / str(int(label))
         folder.mkdir(exist_ok=True)
-        Image.fromarray(image.numpy(), mode="L").save(folder / f"{index:05d}.png")
+        Image.fromarray(image.numpy()).save(folder / f"{index:05d}.png")  # uint8 (H, W): mode L
     return root
 
 
