@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import math
-from numbers import Integral
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
@@ -27,7 +26,7 @@ def vision_config(model: nn.Module) -> Any:
 
 
 def _pair(value: Any) -> Tuple[int, int]:
-    if isinstance(value, Integral):
+    if is_whole(value):
         return int(value), int(value)
     height, width = value
     return int(height), int(width)
@@ -81,7 +80,7 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
         if own is None:
             raise TypeError(f"pass img_size: this {type(model).__name__} does not say its input size")
         return own
-    pair = (img_size, img_size) if isinstance(img_size, Integral) else img_size
+    pair = (img_size, img_size) if is_whole(img_size) else img_size
     if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
             or not all(is_whole(s) for s in pair)):
         raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
