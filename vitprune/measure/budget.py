@@ -163,7 +163,6 @@ def overlap_options(
         raise TypeError("overlap_options tries every stride itself: leave overlap_stride out")
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
-    check_target(target_gflops)
     stages = _read_once(stages)
     found = []
     for stride in range(min(getattr(model.patch_embed, "patch_size")), 0, -1):
@@ -171,7 +170,7 @@ def overlap_options(
             rate = fit_keep_rate(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size,
                                  overlap_stride=stride, **options)
         except _OutOfReach:
-            break  # smaller strides only cost more (a bad option raises at the first stride)
+            break  # smaller strides only cost more (a bad budget or option raises at the first stride)
         config = _config(rate, stages, fuse, stride, options)
         found.append(OverlapOption(stride, rate, schedule_flops(model, config, img_size) / 1e9,
                                    num_patches(model, img_size, stride)))
