@@ -13,7 +13,7 @@ See docs/method.md for the method and README.md for the evidence behind the defa
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING, Any, List, Tuple
 
 __version__ = "0.1.0"
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .measure.flops import analytic_flops, count_flops
     from .pictures.visualize import kept_masks, visualize
 
-    SUPPORTED_MODELS: tuple
+    SUPPORTED_MODELS: Tuple[type, ...]
 
 
 def __getattr__(name: str) -> Any:

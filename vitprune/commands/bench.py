@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import timm
 import torch
@@ -124,7 +124,7 @@ def settings_grid(indicators: Sequence[str], keep_rates: Sequence[float],
     return grid
 
 
-def build_model(name: str, setting: Setting, device: str, seed: int = 0, **model_kwargs) -> torch.nn.Module:
+def build_model(name: str, setting: Setting, device: str, seed: int = 0, **model_kwargs: Any) -> torch.nn.Module:
     """A timm model, or ``hf:NAME_OR_FOLDER`` for a ``transformers`` one (random weights
     unless ``pretrained=True`` is passed), patched per ``setting``."""
     if is_transformers_name(name):
@@ -210,7 +210,7 @@ def merging_settings(model: torch.nn.Module, keep_rates: Sequence[float], size: 
     return settings
 
 
-def _cpu_step_builder(name: str, setting: Setting, model_kwargs: dict, batch: int, mode: str,
+def _cpu_step_builder(name: str, setting: Setting, model_kwargs: Dict[str, Any], batch: int, mode: str,
                       dtype_name: str, threads: Optional[int]) -> Callable[[], None]:
     """Runs in the memory child: the same model, input and step as the timed ones."""
     if threads:

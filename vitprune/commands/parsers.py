@@ -72,7 +72,7 @@ def named_stages(text: str) -> Union[str, Tuple[int, ...]]:
 CLASS_ONLY = {"auto": None, "on": True, "off": False}
 
 
-def add_class_only(group, spent: str) -> None:
+def add_class_only(group: "argparse._ActionsContainer", spent: str) -> None:
     """``--class-only-last [auto|on|off]`` (the flag alone: ``on``), parsed to ``None``/``True``/``False``."""
     group.add_argument("--class-only-last", nargs="?", const="on", default="auto", choices=tuple(CLASS_ONLY),
                        help="the class token alone through the last block (token-pooled timm ViTs; transformers' "
@@ -81,14 +81,14 @@ def add_class_only(group, spent: str) -> None:
                             f"token merging: off); 'on' or 'off' for every method but token merging; the {spent}")
 
 
-def _subparser(subparsers: "argparse._SubParsersAction", name: str, help: str, description: str
+def _subparser(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]", name: str, help: str, description: str
                ) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(name, help=help, description=description, formatter_class=HelpFormatter)
     parser.set_defaults(command=name)
     return parser
 
 
-def add_demo(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_demo(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     parser = _subparser(subparsers, "demo", "prune the shipped models on shipped real data", """\
 Prune the small ViTs that ship with vitprune on their shipped real test images. For each
 dataset: accuracy, GFLOPs and measured speedup of the unpruned model, of vitprune's
@@ -104,7 +104,7 @@ speedup. No download needed.""")
     return parser
 
 
-def add_bench(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_bench(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     parser = _subparser(subparsers, "bench", "FLOPs, throughput and memory: pruned vs unpruned", """\
 FLOPs, throughput and peak memory of pruned against unpruned, in one run. Every setting
 gets its own copy of the same model; after a warm-up the settings take turns (the order
@@ -149,7 +149,7 @@ the ideal ratio from the FLOP counts.""")
     return parser
 
 
-def add_show(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_show(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     parser = _subparser(subparsers, "show", "draw the patches a pruned model keeps in an image", """\
 Draw which patches a pruned model keeps in one image: the image, then one panel per
 stage with the pruned patches dimmed. Without --pretrained or --checkpoint the model has
@@ -185,7 +185,7 @@ def fraction(text: str) -> float:
     return value
 
 
-def add_eval(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
+def add_eval(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     parser = _subparser(subparsers, "eval", "accuracy, FLOPs and speed of patch settings on your images", """\
 Accuracy (top-1, top-5), GFLOPs and measured speed of a timm model (or a transformers
 image classifier, --model hf:ID_OR_FOLDER), unpruned and under every setting asked for, on

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from ..core.config import method_options
 from ..core.patching import patch
@@ -14,8 +14,13 @@ from ..data.hf_models import preprocessing_note
 from ..data.pictures import load_picture, prepare_greyscale, prepare_timm
 from ..pictures import pyplot
 
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool):
+
+def load_model(name: Optional[str], checkpoint: Optional[str], pretrained: bool
+               ) -> "Tuple[nn.Module, Callable[[Any], Tuple[torch.Tensor, torch.Tensor]], str]":
     """``(model, prepare, where its weights come from)``: a timm or ``hf:`` model by name
     (``prepare(picture)`` is its own preprocessing), or a checkpoint of vitprune's own models."""
     if checkpoint is not None:

@@ -4,21 +4,21 @@ timm's own transforms from the model's data config, in batches."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import timm.data
 import torch
 from torch.utils.data import DataLoader, Subset
 
 
-def eval_transform(config: Dict[str, Any]):
+def eval_transform(config: Dict[str, Any]) -> Callable[[Any], torch.Tensor]:
     """timm's evaluation transform for a data config (``resolve_data_config``'s dict)."""
     return timm.data.create_transform(
         input_size=config["input_size"], is_training=False, interpolation=config.get("interpolation", "bilinear"),
         mean=config["mean"], std=config["std"], crop_pct=config.get("crop_pct"), crop_mode=config.get("crop_mode"))
 
 
-def open_images(data_dir: str, split: str, config: Dict[str, Any]):
+def open_images(data_dir: str, split: str, config: Dict[str, Any]) -> Any:
     """The dataset with timm's eval transform for ``config`` (``resolve_data_config``'s dict).
 
     Raises:
@@ -46,7 +46,7 @@ def open_images(data_dir: str, split: str, config: Dict[str, Any]):
     return dataset
 
 
-def class_names(dataset) -> List[str]:
+def class_names(dataset: Any) -> List[str]:
     """The class of each label index, as the reader found them (sorted folder names)."""
     reader = getattr(dataset, "reader", None)
     mapping = getattr(reader, "class_to_idx", None) or {}
@@ -61,7 +61,7 @@ def spread(count: int, limit: Optional[int]) -> List[int]:
     return [int(i) for i in torch.linspace(0, count - 1, limit).round().long().unique()]
 
 
-def batches(dataset, batch_size: int, workers: int = 0, limit: Optional[int] = None) -> DataLoader:
+def batches(dataset: Any, batch_size: int, workers: int = 0, limit: Optional[int] = None) -> "DataLoader[Any]":
     """Batches of ``(images, labels)`` in order, of all images or ``limit`` spread over them."""
     chosen = spread(len(dataset), limit)
     subset = dataset if len(chosen) == len(dataset) else Subset(dataset, chosen)

@@ -27,7 +27,7 @@ def is_transformers_name(name: Optional[str]) -> bool:
     return isinstance(name, str) and name.startswith(PREFIX)
 
 
-def _transformers():
+def _transformers() -> Any:
     try:
         import transformers
     except ImportError:

@@ -5,15 +5,18 @@ copy in [0, 1] for drawing."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Tuple
 
 import torch
 
 from .datasets import MEAN, STD
 from .folders import eval_transform
 
+if TYPE_CHECKING:  # Pillow is imported when a picture is read
+    from PIL import Image
 
-def load_picture(path: str):
+
+def load_picture(path: str) -> "Image.Image":
     """A picture file opened and read by Pillow; ``FileNotFoundError`` or ``ValueError`` when it cannot be."""
     from PIL import Image, UnidentifiedImageError
 
@@ -27,7 +30,7 @@ def load_picture(path: str):
     return picture
 
 
-def prepare_timm(config: Dict[str, Any], picture) -> Tuple[torch.Tensor, torch.Tensor]:
+def prepare_timm(config: Dict[str, Any], picture: "Image.Image") -> Tuple[torch.Tensor, torch.Tensor]:
     """The model's own preprocessing, from its timm data config (``models.load_model`` gives
     it): ``(input, display in [0, 1])``."""
     x = eval_transform(config)(picture.convert("RGB")).unsqueeze(0)
@@ -36,7 +39,7 @@ def prepare_timm(config: Dict[str, Any], picture) -> Tuple[torch.Tensor, torch.T
     return x, (x * std + mean).clamp(0, 1)
 
 
-def prepare_greyscale(config: Dict[str, Any], picture) -> Tuple[torch.Tensor, torch.Tensor]:
+def prepare_greyscale(config: Dict[str, Any], picture: "Image.Image") -> Tuple[torch.Tensor, torch.Tensor]:
     """Preprocessing of vitprune's own small models: greyscale, resized, normalised like Fashion-MNIST."""
     size = tuple(int(s) for s in config["input_size"][-2:])
     grey = picture.convert("L").resize((size[1], size[0]))

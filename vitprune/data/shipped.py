@@ -12,7 +12,8 @@ import timm
 import torch
 
 from ..core.numeric import is_whole
-from .datasets import DATASETS, MEAN, STD
+from . import DATASETS
+from .datasets import MEAN, STD
 
 ASSETS = Path(__file__).parent.parent / "assets"  # vitprune/assets
 

@@ -19,7 +19,7 @@ nor ``output_attentions``, the last layer computes the prefix tokens alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -231,7 +231,7 @@ def _check(model: nn.Module) -> None:
                         f"k_proj, v_proj); this is transformers {transformers.__version__}")
 
 
-def _prefix(extra: int = 0):
+def _prefix(extra: int = 0) -> Callable[[nn.Module], int]:
     def prefix(model: nn.Module) -> int:
         config = vision_config(model)
         return 1 + extra + int(getattr(config, "num_register_tokens", 0) or 0)

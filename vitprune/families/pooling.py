@@ -28,7 +28,7 @@ and its last block can compute them alone (``Family.class_only`` of the ViT, Eva
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn
 
 import torch
 from timm.models._features import feature_take_indices
@@ -166,7 +166,7 @@ class PrunedModel(_TimmModel):
             )
         return sizes
 
-    def __prepare_scriptable__(self):  # torch.jit.script calls this first
+    def __prepare_scriptable__(self) -> NoReturn:  # torch.jit.script calls this first
         raise TypeError(
             "vitprune: a patched model cannot be compiled by torch.jit.script (its forward keeps "
             "Python state per call); use torch.compile, torch.export or torch.onnx.export, or "
@@ -216,10 +216,10 @@ class PrunedModel(_TimmModel):
         """Whether pooling reads the prefix tokens too (timm's ``pool_include_prefix``)."""
         return bool(getattr(self, "pool_include_prefix", False))
 
-    def forward_intermediates(self, *args: Any, **kwargs: Any):
+    def forward_intermediates(self, *args: Any, **kwargs: Any) -> Any:
         return enter(self._vitprune_forward_intermediates, *args, **kwargs)
 
-    def _vitprune_forward_intermediates(self, *args: Any, **kwargs: Any):
+    def _vitprune_forward_intermediates(self, *args: Any, **kwargs: Any) -> Any:
         names, defaults = self._vitprune_intermediates_names, self._vitprune_intermediates_defaults
         options: Dict[str, Any] = {**defaults, **dict(zip(names, args)), **kwargs}
         if (len(args) > len(names) or any(name in kwargs for name in names[:len(args)])
@@ -267,7 +267,7 @@ def _spread_intermediates(model: Any, out: Any, blocks: "list[int]", grid: "tupl
         patches = unmerge(model, tokens, block)
         return patches.reshape(patches.shape[0], *grid, -1).permute(0, 3, 1, 2).contiguous()
 
-    def convert(taken: list) -> list:
+    def convert(taken: List[Any]) -> List[Any]:
         return [(to_map(t[0], b), t[1]) if isinstance(t, tuple) else to_map(t, b) for t, b in zip(taken, blocks)]
 
     if isinstance(out, dict):

@@ -4,9 +4,12 @@ front marked."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Sequence, Tuple, get_args
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Sequence, Tuple, get_args
 
 from . import pyplot
+
+if TYPE_CHECKING:  # matplotlib is an optional extra, imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 #: What a frontier's horizontal axis shows: analytic GFLOPs per image (fewer is better) or the
 #: speedup measured against the unpruned model in the same run (more is better).
@@ -46,7 +49,7 @@ def line_name(row: Dict[str, Any]) -> str:
 
 
 def draw_frontier(rows: Sequence[Dict[str, Any]], title: str, metric: str = "top1", axis: Any = None,
-                  x: Axis = "gflops"):
+                  x: Axis = "gflops") -> "Figure":
     """A ``matplotlib`` figure of ``rows`` (``vitprune.measure.evaluate.Row`` dicts: ``setting``,
     ``method``, ``keep_rate``, ``budget``, ``gflops`` (or ``speedup``) and ``metric`` in
     percent); drawn into ``axis`` when given (and its figure returned).
