@@ -137,6 +137,21 @@ def test_a_limit_that_is_no_count_of_images_is_refused_before_any_data_is_read(l
     assert not read
 
 
+@pytest.mark.parametrize("amp", ["false", 1, None])
+def test_amp_that_is_no_bool_is_refused_before_any_data_is_read(amp):
+    """"false" switched autocast on in torch's hands (or failed there after every copy and count)."""
+    model, _ = load_shipped("fashion_mnist")
+    read = []
+
+    def batches():
+        read.append(True)
+        yield torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)
+
+    with pytest.raises(TypeError, match=rf"amp must be True or False, got {amp!r}"):
+        evaluate(model, batches(), build_settings(model, keep_rates=[0.7]), amp=amp)
+    assert not read
+
+
 def test_a_limit_samples_every_class(fashion_tree):
     model, _ = load_shipped("fashion_mnist")
     dataset = folders.open_images(str(fashion_tree), "validation", data_config(model))

@@ -235,6 +235,13 @@ def test_products_only_is_the_count_of_the_model_without_its_norms():
     assert count_flops(model, products_only=True) == count_flops(bare)
 
 
+@pytest.mark.parametrize("products_only", ["no", 1, None])
+def test_products_only_that_is_no_bool_is_refused(products_only):
+    model = timm.create_model("deit_tiny_patch16_224", img_size=32, patch_size=8, depth=1).eval()
+    with pytest.raises(TypeError, match=rf"products_only must be True or False, got {products_only!r}"):
+        count_flops(model, products_only=products_only)  # "no" counted products only
+
+
 def test_a_size_the_model_cannot_run_at_has_no_count():
     # timm builds a model without dynamic_img_size for one input size: a count or a fit at
     # another would describe nothing it can run, so each says so (count_flops met timm's assert)

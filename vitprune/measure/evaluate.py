@@ -216,11 +216,14 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     Raises:
         ValueError: The first setting is not the unpruned model, ``limit`` is not a whole
             number >= 1 (checked before any model is copied), or no batch held an image.
+        TypeError: ``amp`` is not ``True`` or ``False`` (checked before any model is copied).
     """
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
     if limit is not None and (not is_whole(limit) or limit < 1):
         raise ValueError(f"limit must be a whole number of images >= 1, or None for all, got {limit!r}")
+    if not isinstance(amp, bool):  # a string would enable autocast, or fail in torch after the copies
+        raise TypeError(f"amp must be True or False, got {amp!r}")
     device = torch.device(device)
     models = [apply_setting(copy.deepcopy(model), s).to(device).eval() for s in settings]
     gflops = [gflops_of(m, img_size) for m in models]

@@ -377,7 +377,14 @@ def count_flops(model: nn.Module, img_size: Optional[Sequence[int]] = None, prod
             A ResNetV2 stem's group norms and weight standardisation are up to 4 % of it.
 
     The model runs in eval mode; every module's own mode is restored afterwards.
+
+    Raises:
+        TypeError: ``model`` is no module with a convolutional stem, or ``products_only`` is
+            not ``True`` or ``False``.
+        ValueError: ``img_size`` is one the model cannot run at.
     """
+    if not isinstance(products_only, bool):  # "no" would count products only
+        raise TypeError(f"products_only must be True or False, got {products_only!r}")
     with warnings.catch_warnings():  # fvcore's import path touches the deprecated torch.jit.script
         warnings.simplefilter("ignore", FutureWarning)
         from fvcore.nn import FlopCountAnalysis
