@@ -42,7 +42,7 @@ def test_config_is_frozen():
     ({"keep_rate": 0.0}, ValueError, r"keep_rate must be in \(0, 1\]"),
     ({"keep_rate": 1.5}, ValueError, r"keep_rate must be in \(0, 1\]"),
     ({"keep_rate": -0.2}, ValueError, r"keep_rate must be in \(0, 1\]"),
-    ({"keep_rate": math.nan}, TypeError, "keep_rate"),
+    ({"keep_rate": math.nan}, ValueError, r"keep_rate must be in \(0, 1\], got nan"),
     ({"keep_rate": "0.7"}, TypeError, "keep_rate"),
     ({"keep_rate": True}, TypeError, "keep_rate"),
     ({"keep_rate": ()}, ValueError, "non-empty"),

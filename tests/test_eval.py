@@ -3,6 +3,7 @@
 import copy
 import csv
 import json
+import re
 
 import pytest
 import timm
@@ -122,8 +123,14 @@ def test_every_image_is_read_once_however_many_settings(fashion_tree, monkeypatc
     assert sorted(reads) == folders.spread(len(dataset), 300) and len(set(reads)) == len(reads)
 
 
-@pytest.mark.parametrize("limit", [0, -1, True, 2.5, "2"])
-def test_a_limit_that_is_no_count_of_images_is_refused_before_any_data_is_read(limit):
+@pytest.mark.parametrize("limit, error, message", [
+    (0, ValueError, "limit must be >= 1 image, or None for all, got 0"),
+    (-1, ValueError, "limit must be >= 1 image, or None for all, got -1"),
+    (True, TypeError, "limit must be a whole number of images (int) or None for all, got bool True"),
+    (2.5, TypeError, "limit must be a whole number of images (int) or None for all, got float 2.5"),
+    ("2", TypeError, "limit must be a whole number of images (int) or None for all, got str '2'"),
+])
+def test_a_limit_that_is_no_count_of_images_is_refused_before_any_data_is_read(limit, error, message):
     """0 and -1 read as 'the data is empty', True as one image; 2.5 and "2" failed in a slice."""
     model, _ = load_shipped("fashion_mnist")
     read = []
@@ -132,7 +139,7 @@ def test_a_limit_that_is_no_count_of_images_is_refused_before_any_data_is_read(l
         read.append(True)
         yield torch.zeros(2, 1, 28, 28), torch.zeros(2, dtype=torch.long)
 
-    with pytest.raises(ValueError, match=rf"limit must be a whole number of images >= 1, or None for all, got {limit!r}"):
+    with pytest.raises(error, match=re.escape(message)):
         evaluate(model, batches(), build_settings(model, keep_rates=[0.7]), limit=limit)
     assert not read
 

@@ -399,10 +399,10 @@ def test_merging_config_removes_r_tokens_per_block(tiny):
     with torch.no_grad():
         tiny(image_batch(tiny))
     assert [p.shape[1] for p in vitprune.kept_positions(tiny)] == [196 - 8 * (i + 1) for i in range(12)]
-    for bad in (-1, [8] * 11, [8.0] * 12):
+    for bad in (-1, [8] * 11, [8] * 11 + [-1]):
         with pytest.raises(ValueError, match=r"r must be an int >= 0 or 12 of them \(one per block\)"):
             merging_config(tiny, bad)
-    for bad in (True, 2.5, None, "8" * 12):
+    for bad in (True, 2.5, None, "8" * 12, [8.0] * 12, [8] * 11 + ["8"]):
         with pytest.raises(TypeError, match=r"r must be an int >= 0 or 12 of them"):
             merging_config(tiny, bad)
 
@@ -464,9 +464,10 @@ def test_defaults_are_the_measured_best_not_the_papers_fusion_token(tiny):
     (dict(size_aware=1), TypeError, "size_aware must be True or False"),
     (dict(fuse=True, reduction="merge"), ValueError, "fuse=True means reduction='fuse'"),
     (dict(stages="every"), ValueError, "unknown stages 'every'; accepted: 'spread', 'spread2', 'spread3', 'all'"),
-    (dict(crowding=-0.5), ValueError, "crowding must be >= 0 (0: token merging's order), got -0.5"),
-    (dict(crowding=True), TypeError, "crowding must be a finite float >= 0 or None, got True"),
-    (dict(crowding=math.inf), TypeError, "crowding must be a finite float >= 0 or None, got inf"),
+    (dict(crowding=-0.5), ValueError, "crowding must be >= 0 and finite (0: token merging's order), got -0.5"),
+    (dict(crowding=True), TypeError, "crowding must be a number >= 0 or None, got bool True"),
+    (dict(crowding=math.inf), ValueError, "crowding must be >= 0 and finite (0: token merging's order), got inf"),
+    (dict(crowding=math.nan), ValueError, "crowding must be >= 0 and finite (0: token merging's order), got nan"),
     (dict(crowding=0.5, indicator="var"), ValueError, "crowding only applies to selection='bipartite', not 'top'"),
 ])
 def test_new_options_are_validated_before_the_model_changes(tiny, bad, error, message):

@@ -146,17 +146,18 @@ def test_visualize_draws_groups_and_refuses_an_unknown_view():
         visualize(model, torch.randn(2, 3, 64, 64), show="merged")
 
 
-@pytest.mark.parametrize("options, match", [
-    ({"dim": 1.5}, r"dim is the brightness of pruned pixels against kept ones, in \[0, 1\], got 1.5"),
-    ({"dim": -0.1}, r"in \[0, 1\], got -0.1"),  # both drew, clipped by matplotlib with a warning
-    ({"dim": "0.5"}, r"in \[0, 1\], got '0.5'"),  # failed deep in torch
-    ({"dim": float("nan")}, r"in \[0, 1\], got nan"),
-    ({"panel_inches": 0}, r"panel_inches must be > 0 and finite, got 0"),  # numpy's 'Singular matrix'
-    ({"panel_inches": float("inf")}, r"panel_inches must be > 0 and finite, got inf"),
+@pytest.mark.parametrize("options, error, match", [
+    ({"dim": 1.5}, ValueError, r"dim is the brightness of pruned pixels against kept ones, in \[0, 1\], got 1.5"),
+    ({"dim": -0.1}, ValueError, r"in \[0, 1\], got -0.1"),  # both drew, clipped by matplotlib with a warning
+    ({"dim": "0.5"}, TypeError, r"dim must be a number in \[0, 1\], got str '0.5'"),  # failed deep in torch
+    ({"dim": float("nan")}, ValueError, r"in \[0, 1\], got nan"),
+    ({"panel_inches": 0}, ValueError, r"panel_inches must be > 0 and finite, got 0"),  # numpy's 'Singular matrix'
+    ({"panel_inches": float("inf")}, ValueError, r"panel_inches must be > 0 and finite, got inf"),
+    ({"panel_inches": None}, TypeError, r"panel_inches must be a number > 0, got NoneType None"),
 ])
-def test_visualize_refuses_a_bad_brightness_or_size_before_the_model_runs(options, match):
+def test_visualize_refuses_a_bad_brightness_or_size_before_the_model_runs(options, error, match):
     model = small_model(keep_rate=0.5)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         visualize(model, torch.randn(1, 3, 64, 64), **options)
     with pytest.raises(ValueError, match="run a forward pass"):  # nothing ran
         kept_masks(model, (64, 64))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
-from .numeric import is_real, is_whole
+from .numeric import is_whole, real_or_type_error
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -97,11 +97,10 @@ def spread_blocks(depth: int, step: int) -> Tuple[int, ...]:
 
 
 def _check_keep_rate(value: object) -> float:
-    if not is_real(value) or math.isnan(float(value)):
-        raise TypeError(f"keep_rate must be a float in (0, 1], got {value!r}")
-    if not 0.0 < float(value) <= 1.0:
+    rate = real_or_type_error("keep_rate", value, "a number in (0, 1]")
+    if not 0.0 < rate <= 1.0:
         raise ValueError(f"keep_rate must be in (0, 1], got {value!r}")
-    return float(value)
+    return rate
 
 
 def _check_stage(value: object) -> int:
@@ -232,11 +231,10 @@ class PruneConfig:
                     "give one keep_rate per stage, or a single float for all"
                 )
 
-        if not is_real(self.T) or math.isnan(float(self.T)):
-            raise TypeError(f"T must be a positive float, got {self.T!r}")
-        if not float(self.T) > 0:
+        T = real_or_type_error("T", self.T, "a number > 0")
+        if not T > 0:
             raise ValueError(f"T must be > 0 (math.inf for mean pooling), got {self.T!r}")
-        object.__setattr__(self, "T", float(self.T))
+        object.__setattr__(self, "T", T)
 
         self._fold_reduction()
         if self.selection is None:
@@ -269,14 +267,13 @@ class PruneConfig:
         value = self.crowding
         if value is None:
             return
-        if not is_real(value) or not math.isfinite(float(value)):
-            raise TypeError(f"crowding must be a finite float >= 0 or None, got {value!r}")
-        if value < 0:
-            raise ValueError(f"crowding must be >= 0 (0: token merging's order), got {value!r}")
+        weight = real_or_type_error("crowding", value, "a number >= 0 or None")
+        if not 0 <= weight < math.inf:
+            raise ValueError(f"crowding must be >= 0 and finite (0: token merging's order), got {value!r}")
         if self.selection != "bipartite":
             raise ValueError(f"crowding only applies to selection='bipartite', not {self.selection!r}; "
                              "leave it None")
-        object.__setattr__(self, "crowding", float(value))
+        object.__setattr__(self, "crowding", weight)
 
     def _check_read(self) -> None:
         """Refuse a temperature or an indicator that the chosen reduction never reads (as a

@@ -28,3 +28,16 @@ def is_real(value: object) -> TypeGuard[float]:
     """A real number (``int``, ``float``, a NumPy float or integer, a ``Fraction``), but not
     a bool. NaN and infinity pass: each caller says which range it accepts."""
     return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def real_or_type_error(name: str, value: object, wanted: str) -> float:
+    """``value`` as a Python float; ``TypeError`` naming ``name`` and what is ``wanted`` when it
+    is no real number (a string, a bool, ``None``). The range is the caller's to check, with
+    ``ValueError``: NaN fails every comparison, so ``not low < x <= high`` refuses it there.
+
+    One rule for every argument: the wrong kind of value is a ``TypeError``, a number out of
+    range (NaN and infinity included) a ``ValueError``.
+    """
+    if not is_real(value):
+        raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    return float(value)

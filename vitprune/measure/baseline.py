@@ -45,7 +45,9 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
         amounts = list(r)
     else:
         raise TypeError(wanted)
-    if len(amounts) != depth or any(not is_whole(a) or a < 0 for a in amounts):
+    if not all(is_whole(a) for a in amounts):
+        raise TypeError(wanted)
+    if len(amounts) != depth or any(a < 0 for a in amounts):
         raise ValueError(wanted)
     amounts = [int(a) for a in amounts]  # a NumPy integer too
     n = num_patches(model, img_size)

@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core.config import SPREAD, PruneConfig, Stages
 from ..core.grid import input_size, num_patches
-from ..core.numeric import is_real
+from ..core.numeric import real_or_type_error
 from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
 
@@ -34,10 +34,7 @@ def _config(rate: float, stages: Stages, fuse: Optional[bool], stride: Optional[
 
 def check_target(target_gflops: Any) -> None:
     """A budget in GFLOPs: a real number, > 0 and finite (``fit_keep_rate``, ``fit_merging``)."""
-    if not is_real(target_gflops):
-        raise TypeError(f"target_gflops must be a number of GFLOPs, got {type(target_gflops).__name__} "
-                        f"{target_gflops!r}")
-    if not 0 < float(target_gflops) < math.inf:
+    if not 0 < real_or_type_error("target_gflops", target_gflops, "a number of GFLOPs") < math.inf:
         raise ValueError(f"target_gflops must be > 0 and finite, got {target_gflops!r}")
 
 
@@ -197,10 +194,11 @@ def fit_overlap(
 
     Raises:
         TypeError, ValueError: What :func:`overlap_options` raises.
+        TypeError: ``min_keep_rate`` is no number.
         ValueError: ``min_keep_rate`` is outside (0, 1], no keep rate meets the budget even
             without overlap, or no stride reaches ``min_keep_rate``.
     """
-    if not is_real(min_keep_rate) or not 0 < min_keep_rate <= 1:
+    if not 0 < real_or_type_error("min_keep_rate", min_keep_rate, "a number in (0, 1]") <= 1:
         raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
     choices = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size, **options)
     if not choices:

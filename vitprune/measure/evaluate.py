@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_METHOD, INDICATORS, method_options
-from ..core.numeric import is_real, is_whole
+from ..core.numeric import is_whole, real_or_type_error
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -128,7 +128,7 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
     for value, what in [(r, "keep rate") for r in keep_rates] + [(b, "budget") for b in budgets]:
-        if not is_real(value) or not 0 < value <= 1:
+        if not 0 < real_or_type_error(f"a {what}", value, "a number in (0, 1]") <= 1:
             raise ValueError(f"a {what} must be in (0, 1], got {value!r}")
     keep_rates, budgets = [float(r) for r in keep_rates], [float(b) for b in budgets]  # NumPy's too: JSON takes them
     check_model(model)
@@ -214,14 +214,18 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
         One :class:`Row` per setting, in order.
 
     Raises:
-        ValueError: The first setting is not the unpruned model, ``limit`` is not a whole
-            number >= 1 (checked before any model is copied), or no batch held an image.
-        TypeError: ``amp`` is not ``True`` or ``False`` (checked before any model is copied).
+        ValueError: The first setting is not the unpruned model, ``limit`` is below 1
+            (checked before any model is copied), or no batch held an image.
+        TypeError: ``limit`` is no whole number, or ``amp`` not ``True`` or ``False``
+            (checked before any model is copied).
     """
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
-    if limit is not None and (not is_whole(limit) or limit < 1):
-        raise ValueError(f"limit must be a whole number of images >= 1, or None for all, got {limit!r}")
+    if limit is not None and not is_whole(limit):
+        raise TypeError(f"limit must be a whole number of images (int) or None for all, got "
+                        f"{type(limit).__name__} {limit!r}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 image, or None for all, got {limit!r}")
     if not isinstance(amp, bool):  # a string would enable autocast, or fail in torch after the copies
         raise TypeError(f"amp must be True or False, got {amp!r}")
     device = torch.device(device)

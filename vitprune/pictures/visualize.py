@@ -12,7 +12,7 @@ from torch import nn
 from . import SHOW, Show, pyplot
 from ..core.grid import conv_grid, conv_padding, forward_options, input_size, patch_conv, patch_grid
 from ..core.modes import evaluating
-from ..core.numeric import is_real
+from ..core.numeric import real_or_type_error
 from ..core.patching import get_config, kept_positions, state_of, token_groups
 from ..core.stem import stem_of
 
@@ -216,12 +216,13 @@ def visualize(model: nn.Module, images: torch.Tensor, display: Optional[torch.Te
         ValueError: ``show``, ``dim`` (a number in [0, 1]) or ``panel_inches`` (a number
             > 0) is out of range, checked before the model runs; or the images or titles do
             not fit each other.
+        TypeError: ``dim`` or ``panel_inches`` is no number (checked before the model runs).
     """
     if show not in SHOW:
         raise ValueError(f"unknown show {show!r}; accepted: {', '.join(map(repr, SHOW))}")
-    if not is_real(dim) or not 0 <= dim <= 1:
+    if not 0 <= real_or_type_error("dim", dim, "a number in [0, 1]") <= 1:
         raise ValueError(f"dim is the brightness of pruned pixels against kept ones, in [0, 1], got {dim!r}")
-    if not is_real(panel_inches) or not 0 < panel_inches < math.inf:
+    if not 0 < real_or_type_error("panel_inches", panel_inches, "a number > 0") < math.inf:
         raise ValueError(f"panel_inches must be > 0 and finite, got {panel_inches!r}")
     plt = pyplot()  # the caller's backend: no switching under a notebook
 
