@@ -142,6 +142,8 @@ NUMBERS = {
     "merging_config r per block": (lambda m, v: vitprune.merging_config(m, [v] * 12), -1),
     "analytic_flops img_size": (lambda m, v: vitprune.analytic_flops(m, img_size=v), 8),
     "default_stages depth": (lambda m, v: vitprune.default_stages(v), 0),
+    "keep_count keep_rate": (lambda m, v: vitprune.keep_count(v, 196), float("nan")),
+    "keep_count n": (lambda m, v: vitprune.keep_count(0.7, v), 0),
     "unmerge block": (lambda m, v: _unmerge(m, v), 12),
     "build_settings keep_rates": (lambda m, v: build_settings(m, keep_rates=[v]), float("nan")),
     "build_settings budgets": (lambda m, v: build_settings(m, budgets=[v]), float("nan")),
@@ -160,3 +162,7 @@ def test_every_number_argument_raises_type_error_for_the_wrong_kind_and_value_er
     if out_of_range is not None:  # a seed takes every int
         with pytest.raises(ValueError):
             call(tiny, out_of_range)
+
+
+def test_keep_count_takes_numpy_numbers():
+    assert vitprune.keep_count(np.float32(0.7), np.int64(196)) == vitprune.keep_count(0.7, 196) == 138

@@ -19,6 +19,17 @@ def test_keep_count(rate, n, expected):
     assert keep_count(rate, n) == expected
 
 
+@pytest.mark.parametrize("rate, n, error, message", [
+    (1.5, 10, ValueError, r"keep_rate must be in \(0, 1\], got 1.5"),  # was 15 of 10
+    (0.7, 0, ValueError, r"n must be >= 1 token, got 0"),  # was 1 of 0
+    (True, 10, TypeError, r"keep_rate must be a number in \(0, 1\], got bool True"),  # was 10
+    (0.5, 10.0, TypeError, r"n must be a whole number of tokens \(int\), got float 10.0"),  # was 5
+])
+def test_keep_count_refuses_what_no_stage_could_keep(rate, n, error, message):
+    with pytest.raises(error, match=message):
+        keep_count(rate, n)
+
+
 def test_select_top_keeps_exactly_the_top_k_in_original_order():
     scores = torch.tensor([[0.1, 0.9, 0.3, 0.7, 0.5],
                            [5.0, 4.0, 3.0, 2.0, 1.0]])

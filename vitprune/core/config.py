@@ -439,7 +439,7 @@ def token_counts(rates: Tuple[float, ...], stages: Tuple[int, ...], depth: int, 
     counts, rate_of = [], dict(zip(stages, rates))
     for index in range(depth):
         if index in rate_of:
-            k = keep_count(rate_of[index], n)
+            k = kept_tokens(rate_of[index], n)
             n = k + 1 if fuse and k < n else k
         counts.append(n)
     return tuple(counts)
@@ -470,6 +470,23 @@ def _largest_rate(counts: Callable[[float], Tuple[int, ...]], budget: Tuple[int,
     return next((r for r in rounded if r > 0 and counts(r) == reached), low)
 
 
-def keep_count(keep_rate: float, n: int) -> int:
-    """``ceil(keep_rate * n)`` tokens kept of ``n``, robust to float error (0.7 * 10 keeps 7)."""
+def kept_tokens(keep_rate: float, n: int) -> int:
+    """:func:`keep_count` unchecked, for the forward: it runs at every stage of every call,
+    where ``n`` may be a size that ``torch.compile`` traces."""
     return max(1, math.ceil(round(keep_rate * n, 9)))
+
+
+def keep_count(keep_rate: float, n: int) -> int:
+    """How many of ``n`` tokens a stage keeps at ``keep_rate``: ``ceil(keep_rate * n)``, at
+    least 1, robust to float error (0.7 * 10 keeps 7).
+
+    Raises:
+        TypeError: ``keep_rate`` is no number, or ``n`` no whole number.
+        ValueError: ``keep_rate`` is outside (0, 1], or ``n`` is below 1.
+    """
+    rate = _check_keep_rate(keep_rate)
+    if not is_whole(n):
+        raise TypeError(f"n must be a whole number of tokens (int), got {type(n).__name__} {n!r}")
+    if n < 1:
+        raise ValueError(f"n must be >= 1 token, got {n!r}")
+    return kept_tokens(rate, int(n))

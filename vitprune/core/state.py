@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from .config import PruneConfig, keep_count
+from .config import PruneConfig, kept_tokens
 from .indicators import SCORES, uniform_random
 from .overlap import OverlapRecord
 from .merging import (bipartite_keep, bipartite_merge, bipartite_slots, key_metric, match_bipartite, match_redundant,
@@ -351,7 +351,7 @@ class PruneState:
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
         row = scored.row  # given exactly when ``needs_scores`` (``row_source``)
         scores = self.scores(row) if row is not None else None
-        k = keep_count(config.schedule()[1][stage], n)  # the resolved config's rate for this stage
+        k = kept_tokens(config.schedule()[1][stage], n)  # the resolved config's rate for this stage
         sizes = self._sizes_after(records, stage - 1, (B, n))
         if k == n:
             records.record_positions(stage, previous, (B, n), functools.partial(_unchanged, B, n, x.device))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NoReturn
 import torch
 from timm.models._features import feature_take_indices
 
-from ..core.config import keep_count
+from ..core.config import kept_tokens
 from ..core.registry import family_of, original_block_class, timm_blocks
 from ..core.state import enter
 from ..core.tokens import is_compiling
@@ -251,7 +251,7 @@ class PrunedModel(_TimmModel):
     def _vitprune_first_pruning_block(self, n: int) -> "int | None":
         """The first block that drops tokens of ``n`` patches, or ``None``."""
         for index, rate in zip(*self.vitprune_state.config.schedule()):
-            if keep_count(rate, n) < n:  # until a stage prunes, every stage sees all n patches
+            if kept_tokens(rate, n) < n:  # until a stage prunes, every stage sees all n patches
                 return index
         return None
 
