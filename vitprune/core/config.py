@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
-from .numeric import is_whole, real_or_type_error
+from .numeric import is_whole, real_or_type_error, unit_share, whole_or_type_error
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -77,8 +77,7 @@ def default_stages(depth: int) -> Tuple[int, ...]:
     Block ``floor(depth * f)`` for ``f`` in 1/4, 2/4, 3/4, duplicates removed:
     ``(3, 6, 9)`` for 12 blocks, ``(6, 12, 18)`` for 24, ``(1, 3, 4)`` for 6.
     """
-    if not is_whole(depth):
-        raise TypeError(f"depth must be a whole number of blocks (int), got {type(depth).__name__} {depth!r}")
+    depth = whole_or_type_error("depth", depth, "a whole number of blocks (int)")
     if depth < 1:
         raise ValueError(f"a model needs at least one block to prune, got depth={depth}")
     return tuple(sorted({int(depth * f) for f in PAPER_STAGE_FRACTIONS}))
@@ -94,13 +93,6 @@ def spread_blocks(depth: int, step: int) -> Tuple[int, ...]:
     for 12 blocks and step 2, ``(2, 5, 8, 11)`` for step 3 (the last block, which leaves the
     class token alone when ``class_only_last`` is on, drops out then)."""
     return tuple(range((depth - 1) % step, depth, step))
-
-
-def _check_keep_rate(value: object) -> float:
-    rate = real_or_type_error("keep_rate", value, "a number in (0, 1]")
-    if not 0.0 < rate <= 1.0:
-        raise ValueError(f"keep_rate must be in (0, 1], got {value!r}")
-    return rate
 
 
 def _check_stage(value: object) -> int:
@@ -206,9 +198,9 @@ class PruneConfig:
         if isinstance(self.keep_rate, (tuple, list)):
             if not self.keep_rate and self.stages != ():
                 raise ValueError("keep_rate must be a float or a non-empty sequence of floats")
-            keep: Union[float, Tuple[float, ...]] = tuple(_check_keep_rate(k) for k in self.keep_rate)
+            keep: Union[float, Tuple[float, ...]] = tuple(unit_share("keep_rate", k) for k in self.keep_rate)
         else:
-            keep = _check_keep_rate(self.keep_rate)
+            keep = unit_share("keep_rate", self.keep_rate)
         object.__setattr__(self, "keep_rate", keep)
 
         named = isinstance(self.stages, str) and (self.stages == ALL_BLOCKS or is_spread(self.stages))
@@ -484,9 +476,8 @@ def keep_count(keep_rate: float, n: int) -> int:
         TypeError: ``keep_rate`` is no number, or ``n`` no whole number.
         ValueError: ``keep_rate`` is outside (0, 1], or ``n`` is below 1.
     """
-    rate = _check_keep_rate(keep_rate)
-    if not is_whole(n):
-        raise TypeError(f"n must be a whole number of tokens (int), got {type(n).__name__} {n!r}")
-    if n < 1:
+    rate = unit_share("keep_rate", keep_rate)
+    tokens = whole_or_type_error("n", n, "a whole number of tokens (int)")
+    if tokens < 1:
         raise ValueError(f"n must be >= 1 token, got {n!r}")
-    return kept_tokens(rate, int(n))
+    return kept_tokens(rate, tokens)

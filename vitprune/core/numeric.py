@@ -41,3 +41,20 @@ def real_or_type_error(name: str, value: object, wanted: str) -> float:
     if not is_real(value):
         raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
     return float(value)
+
+
+def whole_or_type_error(name: str, value: object, wanted: str) -> int:
+    """``value`` as a Python int; ``TypeError`` naming ``name`` and what is ``wanted`` when it
+    is no whole number (a float, a bool, a string). The range is the caller's to check."""
+    if not is_whole(value):
+        raise TypeError(f"{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def unit_share(name: str, value: object) -> float:
+    """``value`` as a Python float in (0, 1] (a keep rate, a share of the FLOPs): ``TypeError``
+    when it is no number, ``ValueError`` when it is outside (NaN included)."""
+    number = real_or_type_error(name, value, "a number in (0, 1]")
+    if not 0.0 < number <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return number

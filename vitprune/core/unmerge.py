@@ -7,7 +7,7 @@ from typing import Optional, Tuple, cast
 import torch
 from torch import nn
 
-from .numeric import is_whole
+from .numeric import whole_or_type_error
 from .patching import state_of, token_groups
 from .registry import blocks_of
 
@@ -53,8 +53,7 @@ def unmerge(model: nn.Module, tokens: torch.Tensor, block: Optional[int] = None)
     depth = len(blocks_of(model))
     if block is None:
         block = depth - 1
-    if not is_whole(block):
-        raise TypeError(f"block must be an int or None, got {type(block).__name__} {block!r}")
+    block = whole_or_type_error("block", block, "an int or None")
     if not -depth <= block < depth:
         raise ValueError(f"block must be in [{-depth}, {depth - 1}] (this model has {depth} blocks), got {block}")
     block = int(block) % depth

@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import timm
 import torch
 
-from ..core.numeric import is_whole
+from ..core.numeric import whole_or_type_error
 from . import DATASETS
 from .datasets import MEAN, STD
 
@@ -33,8 +33,8 @@ def build(dataset: str, depth: Optional[int] = None, patch_size: Optional[int] =
     if dataset not in MODEL_ARGS:
         raise ValueError(f"unknown dataset {dataset!r}; accepted: {', '.join(DATASETS)}")
     for name, value in (("depth", depth), ("patch_size", patch_size)):
-        if value is not None and not is_whole(value):
-            raise TypeError(f"{name} must be a whole number (int), got {type(value).__name__} {value!r}")
+        if value is not None:
+            whole_or_type_error(name, value, "a whole number (int)")
     if depth is not None and depth < 1:
         raise ValueError(f"depth must be a positive number of blocks, got {depth}")
     side = MODEL_ARGS[dataset]["img_size"]

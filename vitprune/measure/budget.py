@@ -9,7 +9,7 @@ from torch import nn
 
 from ..core.config import SPREAD, PruneConfig, Stages
 from ..core.grid import input_size, num_patches
-from ..core.numeric import real_or_type_error
+from ..core.numeric import real_or_type_error, unit_share
 from ..core.patching import check_model, check_model_overlap, check_options, settle_class_only
 from .flops import flop_counter, schedule_flops
 
@@ -198,8 +198,7 @@ def fit_overlap(
         ValueError: ``min_keep_rate`` is outside (0, 1], no keep rate meets the budget even
             without overlap, or no stride reaches ``min_keep_rate``.
     """
-    if not 0 < real_or_type_error("min_keep_rate", min_keep_rate, "a number in (0, 1]") <= 1:
-        raise ValueError(f"min_keep_rate must be in (0, 1], got {min_keep_rate!r}")
+    unit_share("min_keep_rate", min_keep_rate)
     choices = overlap_options(model, target_gflops, stages=stages, fuse=fuse, img_size=img_size, **options)
     if not choices:
         raise ValueError("no keep rate meets the budget even without overlap (at the patch size's stride); "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..core.config import DEFAULT_METHOD, INDICATORS, method_options
-from ..core.numeric import is_whole, real_or_type_error
+from ..core.numeric import unit_share, whole_or_type_error
 from ..core.patching import check_model, get_config, is_patched, patch
 from .baseline import fit_merging, merging_config
 from .budget import fit_keep_rate
@@ -127,10 +127,8 @@ def build_settings(model: nn.Module, *, methods: Sequence[str] = (DEFAULT,), kee
     for name in methods:
         if name not in METHODS:
             raise ValueError(f"unknown method {name!r}; accepted: {', '.join(METHODS)}")
-    for value, what in [(r, "keep rate") for r in keep_rates] + [(b, "budget") for b in budgets]:
-        if not 0 < real_or_type_error(f"a {what}", value, "a number in (0, 1]") <= 1:
-            raise ValueError(f"a {what} must be in (0, 1], got {value!r}")
-    keep_rates, budgets = [float(r) for r in keep_rates], [float(b) for b in budgets]  # NumPy's too: JSON takes them
+    keep_rates = [unit_share("a keep rate", r) for r in keep_rates]  # NumPy's too, as floats: JSON takes them
+    budgets = [unit_share("a budget", b) for b in budgets]
     check_model(model)
     unpruned = gflops_of(model, img_size)
     scratch = copy.deepcopy(model)  # patched again for each check: patch replaces the previous patch
@@ -221,10 +219,8 @@ def evaluate(model: nn.Module, batches: Iterable[Tuple[torch.Tensor, torch.Tenso
     """
     if not settings or settings[0].options is not None:
         raise ValueError("the first setting must be the unpruned model (build_settings puts it first)")
-    if limit is not None and not is_whole(limit):
-        raise TypeError(f"limit must be a whole number of images (int) or None for all, got "
-                        f"{type(limit).__name__} {limit!r}")
-    if limit is not None and limit < 1:
+    wanted = "a whole number of images (int) or None for all"
+    if limit is not None and whole_or_type_error("limit", limit, wanted) < 1:
         raise ValueError(f"limit must be >= 1 image, or None for all, got {limit!r}")
     if not isinstance(amp, bool):  # a string would enable autocast, or fail in torch after the copies
         raise TypeError(f"amp must be True or False, got {amp!r}")
