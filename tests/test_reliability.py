@@ -159,9 +159,37 @@ def test_the_fits_read_stages_given_as_an_iterator_as_the_same_blocks_in_a_list(
             == vitprune.overlap_options(model, target, stages=[1, 2]))
 
 
-def test_fit_keep_rate_refuses_a_model_patch_cannot_take():
-    with pytest.raises(TypeError, match="cannot patch a timm.models.resnet.ResNet"):
-        vitprune.fit_keep_rate(timm.create_model("resnet18"), 1.0)
+#: The functions that read a model to plan a patch, each as ``patch`` would be called on it.
+PLANNERS = {
+    "fit_keep_rate": lambda model, **kw: vitprune.fit_keep_rate(model, 1.0, **kw),
+    "fit_merging": lambda model, **kw: vitprune.fit_merging(model, 1.0, **kw),
+    "merging_config": lambda model, **kw: vitprune.merging_config(model, 2, **kw),
+    "overlap_options": lambda model, **kw: vitprune.overlap_options(model, 1.0, **kw),
+    "fit_overlap": lambda model, **kw: vitprune.fit_overlap(model, 1.0, **kw),
+}
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+@pytest.mark.parametrize("make, match", [
+    (lambda: timm.create_model("resnet18"), "cannot patch a timm.models.resnet.ResNet"),
+    (lambda: nn.Linear(2, 2), "cannot patch a torch.nn.modules.linear.Linear; supported: timm VisionTransformer"),
+])
+def test_the_fits_refuse_a_model_patch_cannot_take(name, make, match):
+    """A TypeError that names the model and what is supported, as ``patch`` raises (the
+    merging fits and the overlap options once failed on a missing attribute)."""
+    with pytest.raises(TypeError, match=match):
+        PLANNERS[name](make())
+
+
+@pytest.mark.parametrize("name", ["fit_keep_rate", "fit_merging", "merging_config"])
+def test_the_fits_refuse_class_only_last_where_patch_refuses_it(name):
+    """A mean-pooled head reads every token of the last block: a plan counted with the class
+    token alone there would be one ``patch`` then refuses."""
+    model = small_vit(depth=4, class_token=False, global_pool="avg")
+    with pytest.raises(TypeError, match="class_only_last=True cannot apply to this VisionTransformer"):
+        PLANNERS[name](model, class_only_last=True)
+    with pytest.raises(TypeError, match="class_only_last=True cannot apply"):
+        vitprune.patch(model, class_only_last=True)
 
 
 def test_bench_on_a_cnn_exits_2_with_a_message(capsys):

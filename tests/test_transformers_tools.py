@@ -132,7 +132,8 @@ def test_fit_keep_rate_refuses_what_patch_refuses():
         vitprune.fit_keep_rate(clip, 0.001)
     model = build("ViTModel")
     for call in (lambda: vitprune.patch(model, overlap_stride=4),
-                 lambda: vitprune.fit_keep_rate(model, 0.001, overlap_stride=4)):
+                 lambda: vitprune.fit_keep_rate(model, 0.001, overlap_stride=4),
+                 lambda: vitprune.overlap_options(model, 0.001), lambda: vitprune.fit_overlap(model)):
         with pytest.raises(TypeError, match="overlap_stride is supported for VisionTransformer models only"):
             call()
 

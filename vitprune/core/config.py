@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
-from .numeric import is_whole, real_or_type_error, unit_share, whole_or_type_error
+from .numeric import real_or_type_error, unit_share, whole_or_type_error
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -96,11 +96,10 @@ def spread_blocks(depth: int, step: int) -> Tuple[int, ...]:
 
 
 def _check_stage(value: object) -> int:
-    if not is_whole(value):
-        raise TypeError(f"stages must hold block indices (int), got {value!r}")
-    if value < 0:
-        raise ValueError(f"stages are 0-indexed block indices, got negative index {value}")
-    return int(value)
+    index = whole_or_type_error("stages entries", value, "block indices (int)")
+    if index < 0:
+        raise ValueError(f"stages are 0-indexed block indices, got negative index {index}")
+    return index
 
 
 @dataclass(frozen=True)
@@ -243,17 +242,15 @@ class PruneConfig:
             raise TypeError(f"class_only_last must be True, False or None (on where exact), "
                             f"got {self.class_only_last!r}")
         if self.seed is not None:
-            if not is_whole(self.seed):
-                raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+            seed = whole_or_type_error("seed", self.seed, "an int or None")
             if self.indicator != "random":
                 raise ValueError(f"seed only applies to indicator='random', not {self.indicator!r}")
-            object.__setattr__(self, "seed", int(self.seed))  # a NumPy integer too: torch's generator takes int
+            object.__setattr__(self, "seed", seed)  # a NumPy integer too: torch's generator takes int
         if self.overlap_stride is not None:
-            if not is_whole(self.overlap_stride):
-                raise TypeError(f"overlap_stride must be a positive int or None, got {self.overlap_stride!r}")
-            if self.overlap_stride < 1:
-                raise ValueError(f"overlap_stride must be a positive int, got {self.overlap_stride}")
-            object.__setattr__(self, "overlap_stride", int(self.overlap_stride))
+            stride = whole_or_type_error("overlap_stride", self.overlap_stride, "a positive int or None")
+            if stride < 1:
+                raise ValueError(f"overlap_stride must be a positive int, got {stride}")
+            object.__setattr__(self, "overlap_stride", stride)
 
     def _check_crowding(self) -> None:
         value = self.crowding

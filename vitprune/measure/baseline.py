@@ -20,6 +20,7 @@ from torch import nn
 from ..core.config import PruneConfig
 from ..core.grid import num_patches
 from ..core.numeric import is_whole
+from ..core.patching import check_model, settle_class_only
 from ..core.registry import blocks_of
 from .budget import check_target
 from .flops import flop_counter
@@ -36,7 +37,22 @@ def merging_config(model: nn.Module, r: Union[int, Sequence[int]],
         class_only_last: Not the paper's: its last block computes the class token alone
             (``PruneConfig.class_only_last``), so it merges nothing there; for comparisons
             that give token merging the same saving.
+
+    Raises:
+        TypeError: ``model`` is not one ``patch`` accepts, ``r`` is no whole number (or
+            sequence of them), or ``class_only_last=True`` where the model's head reads
+            more than the class token (as ``patch`` would say).
+        ValueError: ``r`` is negative or has the wrong length.
     """
+    family = check_model(model)
+    config = _merging_config(model, r, img_size, class_only_last)
+    settle_class_only(model, config, family)
+    return config
+
+
+def _merging_config(model: nn.Module, r: Union[int, Sequence[int]], img_size: Optional[Sequence[int]],
+                    class_only_last: bool) -> PruneConfig:
+    """:func:`merging_config` for a model already checked."""
     depth = len(blocks_of(model))
     wanted = f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}"
     if is_whole(r):
@@ -69,16 +85,18 @@ def fit_merging(model: nn.Module, target_gflops: float, img_size: Optional[Seque
     ``class_only_last`` as in :func:`merging_config`.
 
     Raises:
-        TypeError: ``target_gflops`` is not a number.
+        TypeError: ``target_gflops`` is not a number, or what :func:`merging_config` raises
+            for the model and ``class_only_last``.
         ValueError: ``target_gflops`` is not > 0 and finite, or even merging half the tokens
             in every block costs more.
     """
     check_target(target_gflops)
+    merging_config(model, 0, img_size, class_only_last)  # the model and options, checked once
     depth, most = len(blocks_of(model)), num_patches(model, img_size) // 2
     flops = flop_counter(model, img_size)
     for r in range(most + 1):
         for j in range(depth):
-            config = merging_config(model, [r + 1] * j + [r] * (depth - j), img_size, class_only_last)
+            config = _merging_config(model, [r + 1] * j + [r] * (depth - j), img_size, class_only_last)
             if flops(config) <= target_gflops * 1e9:
                 return config
     raise ValueError(f"token merging cannot reach {target_gflops:.4g} GFLOPs on this model (r up to {most})")

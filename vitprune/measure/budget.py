@@ -158,6 +158,7 @@ def overlap_options(
     """
     if "overlap_stride" in options:
         raise TypeError("overlap_options tries every stride itself: leave overlap_stride out")
+    check_model_overlap(model, check_model(model), 1)  # a model that cannot overlap at all
     if target_gflops is None:
         target_gflops = schedule_flops(model, None, img_size) / 1e9
     stages = _read_once(stages)
