@@ -4,7 +4,8 @@ on each new timm release.
     python examples/timm_sweep.py --out docs/timm_sweep.md
 
 Each model is built with ``--depth`` blocks where its constructor takes ``depth`` (its own
-depth otherwise), at its own input size, and checked for:
+depth otherwise; a setting given per block of its own depth, :data:`PER_BLOCK`, is taken
+from evenly spaced blocks), at its own input size, and checked for:
 
 - refusal: ``patch`` raises ``TypeError``/``ValueError`` before touching the model (its
   output unchanged after the refusal);
@@ -89,14 +90,41 @@ def variant_name(name: str, options: Dict[str, Any]) -> str:
     return f"{name}({', '.join(f'{k}={v!r}' for k, v in options.items())})" if options else name
 
 
+#: Constructor options that hold one entry per block of the model's own depth, each read back
+#: from a block (Sapiens2's key/value heads: full in the first and last blocks, grouped between).
+PER_BLOCK = {"num_kv_heads": lambda block: block.attn.num_kv_heads}
+
+
+def per_block_options(name: str, depth: int) -> Dict[str, tuple]:
+    """The :data:`PER_BLOCK` options for ``depth`` blocks: the entries of ``depth`` evenly
+    spaced blocks of the model at its own depth (built on the meta device: no weights), so
+    the first and the last block are among them."""
+    with torch.device("meta"):
+        blocks = list(timm.create_model(name, pretrained=False, num_classes=10).blocks)
+    picked = [blocks[round(i * (len(blocks) - 1) / max(depth - 1, 1))] for i in range(depth)]
+    options = {}
+    for option, read in PER_BLOCK.items():
+        try:
+            options[option] = tuple(read(block) for block in picked)
+        except AttributeError:  # blocks without it: the model does not take the option
+            continue
+    return options
+
+
 def build(name: str, depth: int, options: Optional[Dict[str, Any]] = None) -> tuple:
-    """The model (eval, 10 classes, ``options`` passed to its constructor) and the depth it
-    was built with (``None``: its own)."""
+    """The model (eval, 10 classes, ``options`` passed to its constructor), the depth it
+    was built with (``None``: its own) and the :func:`per_block_options` it needed."""
     options = options or {}
     try:
-        return timm.create_model(name, pretrained=False, depth=depth, num_classes=10, **options).eval(), depth
+        return timm.create_model(name, pretrained=False, depth=depth, num_classes=10, **options).eval(), depth, {}
     except TypeError:  # a constructor that fixes its depth
-        return timm.create_model(name, pretrained=False, num_classes=10, **options).eval(), None
+        return timm.create_model(name, pretrained=False, num_classes=10, **options).eval(), None, {}
+    except AssertionError:  # per-block settings of its own depth (timm asserts their length)
+        per_block = per_block_options(name, depth)
+        if not per_block:
+            raise
+        model = timm.create_model(name, pretrained=False, depth=depth, num_classes=10, **per_block, **options)
+        return model.eval(), depth, per_block
 
 
 def flop_ratio(model: torch.nn.Module, size: tuple) -> Any:
@@ -112,10 +140,12 @@ def check(name: str, depth: int, fvcore_max_width: int, options: Optional[Dict[s
     torch.manual_seed(0)
     label = variant_name(name, options or {})
     try:
-        model, built_depth = build(name, depth, options)
-    except Exception as error:  # noqa: BLE001 -- timm cannot build it so (per-block settings of its own depth)
+        model, built_depth, per_block = build(name, depth, options)
+    except Exception as error:  # noqa: BLE001 -- timm cannot build it so (settings of its own depth)
         return {"name": label, "unbuilt": f"{type(error).__name__}: {error}"}
     record: Dict[str, Any] = {"name": label, "class": type(model).__name__, "depth": built_depth}
+    if per_block:
+        record["per_block"] = {option: list(values) for option, values in per_block.items()}
     size = tuple(model.pretrained_cfg.get("input_size", (3, 224, 224)))
     x = torch.randn(2, *size)
     state = {key: value.clone() for key, value in model.state_dict().items()}
@@ -186,6 +216,12 @@ def summary(records: List[Dict[str, Any]], modules: List[str], command: str, tol
         f"({sum(bool(r.get('untouched')) for r in refused)} checked unchanged after the refusal).",
         f"- **{len(errors)} raised an unexpected error.**",
     ]
+    per_block = [r for r in records if "per_block" in r]
+    if per_block:
+        names = ", ".join(f"`{r['name']}` ({', '.join(f'{k}={tuple(v)}' for k, v in r['per_block'].items())})"
+                          for r in per_block)
+        lines.append(f"- Built at the sweep's depth with the per-block settings of evenly spaced blocks of "
+                     f"their own depth, first and last among them: {names}.")
     if unbuilt:
         names = ", ".join(f"`{r['name']}`" for r in unbuilt)
         lines.append(f"- Not built by timm at the sweep's depth, so not checked here: {names} (the first one's "

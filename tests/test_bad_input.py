@@ -62,6 +62,8 @@ def newer_block(name):
     (lambda: timm.create_model("resnet10t"), "cannot patch a .*ResNet"),
     (lambda: "deit_small_patch16_224", "torch.nn.Module"),
     (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="prr"), "got .prr.: this pooling"),
+    (lambda: timm.create_model("deit_tiny_patch16_224", depth=0, img_size=32), "no transformer blocks .depth 0."),
+    (lambda: timm.create_model("eva02_tiny_patch14_224", depth=0, img_size=28), "this Eva has no transformer blocks"),
     (lambda: timm.create_model("deit_tiny_patch16_224", block_fn=newer_block("DiffParallelScalingBlock")),
      "block 0 is a DiffParallelScalingBlock; vitprune can prune in: Block, ResPostBlock"),
     (lambda: timm.create_model("deit_tiny_patch16_224", attn_layer="diff"), "attention DiffAttention"),

@@ -61,10 +61,33 @@ def test_any_failed_check_fails_the_model_and_the_summary_lists_it():
     assert "counted on a model `patch` refuses:** `d`" in timm_sweep.summary([counted], ["vit"], "cmd", 1e-4)
 
 
+@pytest.mark.skipif(not timm.is_model("vit_large_patch16_sapiens2"), reason=f"timm {timm.__version__} has no Sapiens2")
+def test_per_block_settings_come_from_evenly_spaced_blocks_of_the_own_depth():
+    # Sapiens2-L: 24 blocks, grouped key/value heads (8 of 16) in blocks 8 to 15 only
+    assert timm_sweep.per_block_options("vit_large_patch16_sapiens2", 3) == {"num_kv_heads": (16, 8, 16)}
+    model, depth, per_block = timm_sweep.build("vit_large_patch16_sapiens2", 3)
+    assert depth == 3 and [block.attn.num_kv_heads for block in model.blocks] == [16, 8, 16]
+    assert per_block == {"num_kv_heads": (16, 8, 16)}
+    assert timm_sweep.build("test_vit", 2)[1:] == (2, {})  # no per-block setting: none read
+
+
 @pytest.mark.skipif(not timm.is_model("vit_base_patch16_sapiens2"), reason=f"timm {timm.__version__} has no Sapiens2")
-def test_a_model_timm_cannot_build_at_the_depth_is_recorded_apart():
-    # Sapiens2 lists key/value heads per block for its own depth: timm refuses depth=2
+def test_a_model_with_per_block_settings_is_checked_at_the_depth_and_listed():
+    # timm refuses depth=2 for Sapiens2 unless its key/value heads are given per block
     record = timm_sweep.check("vit_base_patch16_sapiens2", depth=2, fvcore_max_width=0)
-    assert record["unbuilt"].startswith("AssertionError: num_kv_heads")
+    assert record["depth"] == 2 and record["per_block"] == {"num_kv_heads": [12, 12]}
+    assert timm_sweep.passed(record, tolerance=1e-4) is True
     text = timm_sweep.summary([record], ["eva"], "cmd", 1e-4)
-    assert "**0 raised an unexpected error.**" in text and "not checked here: `vit_base_patch16_sapiens2`" in text
+    assert "own depth, first and last among them: `vit_base_patch16_sapiens2` (num_kv_heads=(12, 12))." in text
+
+
+def test_a_model_timm_cannot_build_at_the_depth_is_recorded_apart(monkeypatch):
+    def unbuildable(name, depth, options=None):
+        raise AssertionError("num_kv_heads sequence must have one entry per block")
+
+    monkeypatch.setattr(timm_sweep, "build", unbuildable)
+    record = timm_sweep.check("m", depth=2, fvcore_max_width=0)
+    assert record == {"name": "m", "unbuilt": "AssertionError: num_kv_heads sequence must have one entry per block"}
+    text = timm_sweep.summary([record], ["eva"], "cmd", 1e-4)
+    assert "**0 raised an unexpected error.**" in text and "not checked here: `m` (the first one's error: " \
+        "AssertionError: num_kv_heads" in text

@@ -40,6 +40,8 @@ def check_model(model: nn.Module) -> Family:
         examples = "; ".join(dict.fromkeys(f.examples for f in families() if f.examples))
         raise TypeError(f"vitprune cannot patch a {kind.__module__}.{kind.__name__}{why}; supported: {names} "
                         f"({examples})")
+    if len(family.blocks_of(model)) == 0:
+        raise TypeError(f"this {family.model.__name__} has no transformer blocks (depth 0): nothing to prune")
     family.check(model)
     return family
 
