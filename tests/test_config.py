@@ -52,6 +52,8 @@ def test_config_is_frozen():
     ({"stages": (-1,)}, ValueError, "negative"),
     ({"stages": (1.5,)}, TypeError, "block indices"),
     ({"stages": 3}, TypeError, "sequence"),
+    ({"stages": {3: 0.9, 6: 0.7}}, TypeError, r"got a dict; for a keep rate per stage pass keep_rate=\(...\)"),
+    ({"stages": {3, 6}}, TypeError, "sequence of block indices, in order, got a set {3, 6}"),
     ({"stages": "spread4"}, ValueError, "unknown stages 'spread4'; accepted: 'spread', 'spread2', 'spread3', 'all', None"),
     ({"T": 0.0}, ValueError, "T must be > 0"),
     ({"T": -1.0}, ValueError, "T must be > 0"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import abc
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
@@ -208,6 +209,11 @@ class PruneConfig:
                 names = ", ".join(map(repr, (*SPREAD_STEPS, ALL_BLOCKS)))
                 raise ValueError(f"unknown stages {self.stages!r}; accepted: {names}, None (the paper's "
                                  "stages) or a sequence of block indices")
+            if isinstance(self.stages, abc.Mapping):  # its values would go unread
+                raise TypeError(f"stages must be a sequence of block indices, got a {type(self.stages).__name__}; "
+                                "for a keep rate per stage pass keep_rate=(...), one per stage in order")
+            if isinstance(self.stages, abc.Set):
+                raise TypeError(f"stages must be a sequence of block indices, in order, got a set {self.stages!r}")
             if isinstance(self.stages, bytes) or not hasattr(self.stages, "__iter__"):
                 raise TypeError(f"stages must be a sequence of block indices, got {self.stages!r}")
             stages = tuple(_check_stage(s) for s in self.stages)
