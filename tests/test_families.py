@@ -5,6 +5,7 @@ class token score the mean attention each patch receives; their pruning blocks u
 explicit attention path, so they match the fused unpatched model to float tolerance.
 """
 
+import copy
 import inspect
 
 import pytest
@@ -51,6 +52,32 @@ def test_nothing_reduced_equals_unpatched_with_every_parameter_moved_off_its_ini
         expected = model(x)
         vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
         torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12)
+
+
+#: Where timm hands torch's fused attention a 3-D mask (BEiT's shared table alone), torch
+#: computes it on its math path; the patch gathers the table per image after the first stage,
+#: a 4-D mask, which takes the fused kernel: the same sums, rounded otherwise.
+MATH_PATH_IN_TIMM = {"BEiT, shared table"}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
+    """The attention the patch runs itself computes as timm's, in the dtypes models run in
+    (float16 and bfloat16 as on a GPU, here on the CPU): keep 1.0 in every block, every token
+    through the last, gives timm's outputs bit for bit."""
+    model = build(name)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        cast = copy.deepcopy(model).to(dtype)
+        x = images(cast).to(dtype)
+        with torch.no_grad():
+            expected = cast(x)
+            vitprune.patch(cast, keep_rate=1.0, stages="all", class_only_last=False)
+            got = cast(x)
+        if name in MATH_PATH_IN_TIMM:  # a few rounding steps of the outputs' size
+            step = torch.finfo(dtype).eps * expected.abs().max().item()
+            torch.testing.assert_close(got, expected, rtol=0, atol=8 * step)
+        else:
+            assert torch.equal(got, expected), f"{dtype}: {(got - expected).abs().max().item():.3g} off timm's"
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
