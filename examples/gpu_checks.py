@@ -8,16 +8,17 @@ outputs stay finite under fp16 and bf16 autocast, and which fraction of the kept
 agrees with fp32 at every stage. Then, for a few families on random
 weights, the largest difference from the unpatched model with nothing pruned, on CUDA (and,
 for token-pooled ones, of the defaults (``class_only_last`` on) from the same patch without it);
-the defaults' gradients with and without gradient checkpointing; a batch of deit_small
+whether, with float16 and bfloat16 weights, nothing reduced with every token through the last
+block gives the unpatched outputs bit for bit, as on the CPU; the defaults' gradients with and without gradient checkpointing; a batch of deit_small
 against each image alone (float64); and the nothing-pruned difference for ``transformers``
 ViT and SigLIP (eager and sdpa) when it is installed. Last, repeatability: how far two
 calls on the same images differ for the defaults, the paper's method, dropping and token
 merging (bf16 weights, batch 64; 2 off CUDA), plainly and under ``torch.use_deterministic_algorithms``,
 where each must repeat bit for bit and train (merging sums tokens with ``index_add_``, whose
 CUDA kernel adds atomically in no fixed order), and what that mode costs in time (11
-interleaved rounds, median). Prints one line per check; exits non-zero if
-any output is not finite or the checkpointing, batch or repeatability check fails. ``--device
-cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
+interleaved rounds, median). Prints one line per check; exits non-zero if any output is
+not finite or the half-precision, checkpointing, batch or repeatability check fails.
+``--device cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
 runs before a GPU is at hand; its figures say nothing about a GPU.
 """
 
@@ -41,6 +42,11 @@ from vitprune.data import shipped as demo_models  # noqa: E402
 from vitprune.commands.bench import time_interleaved  # noqa: E402
 from vitprune.measure.sync import device_sync  # noqa: E402
 from gpu_cuda_graph import deterministic, eager_spread, settings as graph_settings  # noqa: E402  (examples/ is first on sys.path)
+
+
+#: The families of the nothing-pruned checks on the device: timm model name, create_model arguments.
+FP32_FAMILIES = (("deit_small_patch16_224", {}), ("vit_base_patch16_siglip_224", {}),
+                 ("vit_base_patch16_xp_224", {}), ("vit_small_patch14_reg4_dinov2", {"img_size": 224}))
 
 
 def agreement(reference, got) -> float:
@@ -73,8 +79,7 @@ def main() -> int:
                     ok &= finite
                     print(f"{dataset} {name} {dtype}: finite={finite} "
                           f"kept-set agreement with fp32 {agreement(reference, vitprune.kept_positions(model)):.4f}")
-    for name, kwargs in (("deit_small_patch16_224", {}), ("vit_base_patch16_siglip_224", {}),
-                         ("vit_base_patch16_xp_224", {}), ("vit_small_patch14_reg4_dinov2", {"img_size": 224})):
+    for name, kwargs in FP32_FAMILIES:
         torch.manual_seed(0)
         model = timm.create_model(name, **kwargs).to(device).eval()
         x = torch.randn(8, 3, 224, 224, device=device)
@@ -92,6 +97,7 @@ def main() -> int:
                       f"{(only - reference).abs().max().item():.2e}")
             else:
                 print(f"{name}: class_only_last is off by default here: {family_of(model).class_only(model)}")
+    ok &= rounding_check(device)
     ok &= checkpointing_check(device)
     ok &= per_image_check(device)
     ok &= transformers_checks(device)
@@ -114,6 +120,30 @@ def checkpointing_check(device: torch.device) -> bool:
     error = max((a - b).abs().max().item() for a, b in zip(*grads))
     print(f"deit_small defaults, gradient checkpointing on {device.type}: max abs gradient difference {error:.2e}")
     return error < 1e-3
+
+
+def rounding_check(device: torch.device) -> bool:
+    """Half-precision weights on ``device``: keep 1.0 in every block, every token through the
+    last, against the unpatched model in float16 and bfloat16, for the families of the
+    fp32 check. On the CPU every one gives timm's outputs bit for bit
+    (``tests/test_families.py``); on a GPU torch picks its attention kernels by shape and
+    dtype, so this shows whether the patch's calls still land on timm's."""
+    ok = True
+    for name, kwargs in FP32_FAMILIES:
+        torch.manual_seed(0)
+        base = timm.create_model(name, **kwargs).eval()
+        for dtype in (torch.float16, torch.bfloat16):
+            model = copy.deepcopy(base).to(device, dtype)
+            x = torch.randn(8, 3, 224, 224, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+            with torch.no_grad():
+                expected = model(x)
+                vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+                got = model(x)
+            same = torch.equal(got, expected)
+            ok &= same
+            print(f"{name} {dtype} weights, nothing reduced, every token through the last, {device.type}: "
+                  f"{'bit for bit' if same else f'max abs difference {(got - expected).abs().max().item():.2e}'}")
+    return ok
 
 
 def per_image_check(device: torch.device) -> bool:
