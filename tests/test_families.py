@@ -17,11 +17,30 @@ from conftest import FAMILIES, PAPER, all_blocks, assert_training_step_kept, bui
 from vitprune.measure.flops import count_flops, schedule_flops
 
 
-def assert_unpruned_close(model, got, expected):
-    """Exact with a class token; without one the pruning blocks score the mean received
-    attention on the explicit path, equal to the fused unpatched model to float tolerance."""
-    exact = model.cls_token is not None
-    torch.testing.assert_close(got, expected, **({} if exact else {"rtol": 1e-4, "atol": 1e-5}))
+#: Where timm hands torch's fused attention a 3-D mask (BEiT's shared table alone), torch
+#: computes it on its math path; the patch gathers the table per image after the first stage,
+#: a 4-D mask, which takes the fused kernel: the same sums, rounded otherwise.
+MATH_PATH_IN_TIMM = {"BEiT, shared table"}
+
+
+def assert_timms(name, got, expected):
+    """timm's outputs bit for bit; for a family in ``MATH_PATH_IN_TIMM``, within a few
+    rounding steps of the outputs' size."""
+    if name in MATH_PATH_IN_TIMM:
+        step = torch.finfo(got.dtype).eps * expected.abs().max().item()
+        torch.testing.assert_close(got, expected, rtol=0, atol=8 * step)
+    else:
+        assert torch.equal(got, expected), f"{got.dtype}: {(got - expected).abs().max().item():.3g} off timm's"
+
+
+def assert_unpruned_close(name, model, got, expected):
+    """Bit for bit with a class token (:func:`assert_timms`); without one the pruning blocks
+    score the mean received attention on the explicit path, equal to the fused unpatched
+    model to float tolerance."""
+    if model.cls_token is not None:
+        assert_timms(name, got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -33,7 +52,7 @@ def test_nothing_pruned_equals_unpatched_in_every_family(name, indicator):
         expected = model(x)
         vitprune.patch(model, indicator=indicator, keep_rate=1.0, stages=all_blocks(model))
         got = model(x)
-    assert_unpruned_close(model, got, expected)
+    assert_unpruned_close(name, model, got, expected)
     assert vitprune.get_config(model).stages == all_blocks(model)
 
 
@@ -54,12 +73,6 @@ def test_nothing_reduced_equals_unpatched_with_every_parameter_moved_off_its_ini
         torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12)
 
 
-#: Where timm hands torch's fused attention a 3-D mask (BEiT's shared table alone), torch
-#: computes it on its math path; the patch gathers the table per image after the first stage,
-#: a 4-D mask, which takes the fused kernel: the same sums, rounded otherwise.
-MATH_PATH_IN_TIMM = {"BEiT, shared table"}
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
     """The attention the patch runs itself computes as timm's, in the dtypes models run in
@@ -73,11 +86,7 @@ def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
             expected = cast(x)
             vitprune.patch(cast, keep_rate=1.0, stages="all", class_only_last=False)
             got = cast(x)
-        if name in MATH_PATH_IN_TIMM:  # a few rounding steps of the outputs' size
-            step = torch.finfo(dtype).eps * expected.abs().max().item()
-            torch.testing.assert_close(got, expected, rtol=0, atol=8 * step)
-        else:
-            assert torch.equal(got, expected), f"{dtype}: {(got - expected).abs().max().item():.3g} off timm's"
+        assert_timms(name, got, expected)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
@@ -146,7 +155,7 @@ def test_at_another_input_size_every_family_is_exact_unpruned_and_counted(name):
         expected = model(x)
         vitprune.patch(model, keep_rate=1.0, stages=all_blocks(model))
         got = model(x)
-    assert_unpruned_close(model, got, expected)
+    assert_timms(name, got, expected)
     for options in ({"keep_rate": 0.5}, paper(indicator="var", keep_rate=0.7)):
         predicted = schedule_flops(model, vitprune.PruneConfig(**options), size)
         vitprune.patch(model, **options)
