@@ -89,6 +89,28 @@ def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
         assert_timms(name, got, expected)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_on_timms_explicit_attention_nothing_reduced_is_timm_bit_for_bit(name):
+    """timm's explicit attention (``fused_attn`` off: ``TIMM_FUSED_ATTN=0``, or a torch without
+    the fused kernel), where the patch computes the attention matrix as timm does: keep 1.0 in
+    every block, every token through the last, the defaults' method and the paper's (var),
+    float32 and float16, on every family (BEiT's shared table and the mean-pooled models
+    included, which the fused path leaves a rounding step off)."""
+    model = build(name)
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = False
+    for dtype in (torch.float32, torch.float16):
+        for options in ({}, paper(indicator="var")):
+            cast = copy.deepcopy(model).to(dtype)
+            x = images(cast).to(dtype)
+            with torch.no_grad():
+                expected = cast(x)
+                vitprune.patch(cast, **{**options, "keep_rate": 1.0, "stages": "all", "class_only_last": False})
+                got = cast(x)
+            assert torch.equal(got, expected), f"{dtype} {options}: {(got - expected).abs().max().item():.3g} off timm's"
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_training_step_with_dropout_is_timms_when_nothing_is_reduced(name, fused):
