@@ -81,7 +81,7 @@ def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
     model = build(name)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cast = copy.deepcopy(model).to(dtype)
-        x = images(cast).to(dtype)
+        x = images(cast, batch=2).to(dtype)
         with torch.no_grad():
             expected = cast(x)
             vitprune.patch(cast, keep_rate=1.0, stages="all", class_only_last=False)
@@ -103,7 +103,7 @@ def test_on_timms_explicit_attention_nothing_reduced_is_timm_bit_for_bit(name):
     for dtype in (torch.float32, torch.float16):
         for options in ({}, paper(indicator="var")):
             cast = copy.deepcopy(model).to(dtype)
-            x = images(cast).to(dtype)
+            x = images(cast, batch=2).to(dtype)
             with torch.no_grad():
                 expected = cast(x)
                 vitprune.patch(cast, **{**options, "keep_rate": 1.0, "stages": "all", "class_only_last": False})
