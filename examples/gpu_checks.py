@@ -9,8 +9,9 @@ agrees with fp32 at every stage. Then, for a few families on random
 weights, the largest difference from the unpatched model with nothing pruned, on CUDA (and,
 for token-pooled ones, of the defaults (``class_only_last`` on) from the same patch without it);
 whether, with float16 and bfloat16 weights, nothing reduced with every token through the last
-block gives the unpatched outputs bit for bit, as on the CPU; the defaults' gradients with and without gradient checkpointing; a batch of deit_small
-against each image alone (float64); and the nothing-pruned difference for ``transformers``
+block gives the unpatched outputs bit for bit, as on the CPU; the defaults' gradients with
+and without gradient checkpointing; a batch of deit_small against each image alone
+(float64); and the nothing-pruned difference for ``transformers``
 ViT and SigLIP (eager and sdpa) when it is installed. Last, repeatability: how far two
 calls on the same images differ for the defaults, the paper's method, dropping and token
 merging (bf16 weights, batch 64; 2 off CUDA), plainly and under ``torch.use_deterministic_algorithms``,
@@ -18,8 +19,8 @@ where each must repeat bit for bit and train (merging sums tokens with ``index_a
 CUDA kernel adds atomically in no fixed order), and what that mode costs in time (11
 interleaved rounds, median). Prints one line per check; exits non-zero if any output is
 not finite or the half-precision, checkpointing, batch or repeatability check fails.
-``--device cpu`` runs the same checks on the CPU (autocast there too), to see that the script still
-runs before a GPU is at hand; its figures say nothing about a GPU.
+``--device cpu`` runs the same checks on the CPU (autocast there too), to see that the
+script still runs before a GPU is at hand; its figures say nothing about a GPU.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Models are shrunk (small images, few blocks) and use random weights. Families without a
 class token score the mean attention each patch receives; their pruning blocks use the
-explicit attention path, so they match the fused unpatched model to float tolerance.
+explicit attention path, so with an indicator they match the fused unpatched model to float
+tolerance. Otherwise nothing reduced is timm's output bit for bit (``assert_timms``).
 """
 
 import copy
