@@ -31,7 +31,22 @@ def assert_timms(name, got, expected):
         step = torch.finfo(got.dtype).eps * expected.abs().max().item()
         torch.testing.assert_close(got, expected, rtol=0, atol=8 * step)
     else:
-        assert torch.equal(got, expected), f"{got.dtype}: {(got - expected).abs().max().item():.3g} off timm's"
+        assert_bit_for_bit(got, expected)
+
+
+def assert_bit_for_bit(got, expected, label=""):
+    assert torch.equal(got, expected), f"{got.dtype}{label}: {(got - expected).abs().max().item():.3g} off timm's"
+
+
+def unreduced_and_timm(model, dtype, **options):
+    """A copy of ``model`` in ``dtype`` on two images: the patch's outputs with nothing reduced
+    (keep 1.0 in every block, every token through the last) and timm's."""
+    cast = copy.deepcopy(model).to(dtype)
+    x = images(cast, batch=2).to(dtype)
+    with torch.no_grad():
+        expected = cast(x)
+        vitprune.patch(cast, **{**options, "keep_rate": 1.0, "stages": "all", "class_only_last": False})
+        return cast(x), expected
 
 
 def assert_unpruned_close(name, model, got, expected):
@@ -81,13 +96,7 @@ def test_nothing_reduced_rounds_as_timm_in_float32_float16_and_bfloat16(name):
     through the last, gives timm's outputs bit for bit."""
     model = build(name)
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        cast = copy.deepcopy(model).to(dtype)
-        x = images(cast, batch=2).to(dtype)
-        with torch.no_grad():
-            expected = cast(x)
-            vitprune.patch(cast, keep_rate=1.0, stages="all", class_only_last=False)
-            got = cast(x)
-        assert_timms(name, got, expected)
+        assert_timms(name, *unreduced_and_timm(model, dtype))
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -103,13 +112,7 @@ def test_on_timms_explicit_attention_nothing_reduced_is_timm_bit_for_bit(name):
             module.fused_attn = False
     for dtype in (torch.float32, torch.float16):
         for options in ({}, paper(indicator="var")):
-            cast = copy.deepcopy(model).to(dtype)
-            x = images(cast, batch=2).to(dtype)
-            with torch.no_grad():
-                expected = cast(x)
-                vitprune.patch(cast, **{**options, "keep_rate": 1.0, "stages": "all", "class_only_last": False})
-                got = cast(x)
-            assert torch.equal(got, expected), f"{dtype} {options}: {(got - expected).abs().max().item():.3g} off timm's"
+            assert_bit_for_bit(*unreduced_and_timm(model, dtype, **options), label=f" {options}")
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
