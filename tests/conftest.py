@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import timm
 import torch
 from timm.models.vision_transformer import ParallelScalingBlock, ParallelThingsBlock, ResPostBlock
+
+# Under pytest-xdist (the README's `-n 2`) each worker is a process with torch's whole thread
+# pool: two workers on two cores then run every operation on four threads, and the suite took
+# more than twice as long as in one process. Each worker takes its share of the cores instead.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 #: The families the equivalence tests cover, each small enough for a CPU test.
 MODEL_FACTORIES: Dict[str, Callable[[], torch.nn.Module]] = {
