@@ -12,7 +12,8 @@ from vitprune.core.tokens import fuse_tokens, fusion_weights, prune_tokens, sele
 
 @pytest.mark.parametrize("rate, n, expected", [
     (0.7, 196, 138), (0.7, 139, 98), (0.7, 99, 70),  # DeiT-S at 224, the paper's schedule
-    (0.7, 10, 7),  # 0.7 * 10 is 7.000000000000001 in floats: still 7
+    (0.7, 10, 7),
+    (0.28, 25, 7), (0.56, 25, 14),  # 7.000000000000001 and 14.000000000000002 in floats: still 7 and 14
     (0.5, 7, 4), (1.0, 5, 5), (0.01, 5, 1),
 ])
 def test_keep_count(rate, n, expected):

@@ -473,7 +473,7 @@ def kept_tokens(keep_rate: float, n: int) -> int:
 
 def keep_count(keep_rate: float, n: int) -> int:
     """How many of ``n`` tokens a stage keeps at ``keep_rate``: ``ceil(keep_rate * n)``, at
-    least 1, robust to float error (0.7 * 10 keeps 7).
+    least 1, robust to float error (``0.28 * 25`` is 7.000000000000001 in floats and keeps 7).
 
     Raises:
         TypeError: ``keep_rate`` is no number, or ``n`` no whole number.
