@@ -166,6 +166,19 @@ def test_fit_overlap_matches_the_unpruned_budget(tiny):
         fit_overlap(tiny, 0.5, min_keep_rate=0.99)
 
 
+def test_overlap_options_run_from_no_overlap_down_to_the_last_stride_that_fits(tiny):
+    budget = analytic_flops(tiny) / 1e9
+    options = overlap_options(tiny)
+    assert [o.stride for o in options] == list(range(16, 16 - len(options), -1))  # the patch size first
+    assert options[0].keep_rate == 1.0  # without overlap the unpruned budget needs no pruning
+    assert [o.tokens for o in options[:4]] == [196, 196, 225, 289]  # 14 x 14 at strides 16 and 15, 15 x 15, 17 x 17
+    for option in options[2:4] + options[-1:]:
+        assert option.keep_rate == vitprune.fit_keep_rate(tiny, budget, overlap_stride=option.stride)
+        assert option.gflops <= budget
+    with pytest.raises(ValueError, match="no keep rate meets"):  # the next stride down: out of reach
+        vitprune.fit_keep_rate(tiny, budget, overlap_stride=options[-1].stride - 1)
+
+
 @pytest.mark.parametrize("arguments, error, match", [
     ({"target_gflops": 0}, ValueError, "target_gflops must be > 0 and finite, got 0"),
     ({"target_gflops": float("nan")}, ValueError, "target_gflops must be > 0 and finite, got nan"),
