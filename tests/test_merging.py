@@ -399,6 +399,11 @@ def test_merging_config_removes_r_tokens_per_block(tiny):
     with torch.no_grad():
         tiny(image_batch(tiny))
     assert [p.shape[1] for p in vitprune.kept_positions(tiny)] == [196 - 8 * (i + 1) for i in range(12)]
+    # more than half: each block merges floor(n / 2) of its n patch tokens, as the paper caps r
+    vitprune.patch(tiny, merging_config(tiny, 100))
+    with torch.no_grad():
+        tiny(image_batch(tiny))
+    assert [p.shape[1] for p in vitprune.kept_positions(tiny)] == [98, 49, 25, 13, 7, 4, 2, 1, 1, 1, 1, 1]
     for bad in (-1, [8] * 11, [8] * 11 + [-1]):
         with pytest.raises(ValueError, match=r"r must be an int >= 0 or 12 of them \(one per block\)"):
             merging_config(tiny, bad)
