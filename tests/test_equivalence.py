@@ -45,6 +45,7 @@ def test_fused_and_explicit_paths_keep_the_same_patches(tiny):
         for block in tiny.blocks:
             block.attn.fused_attn = False
         explicit_out = tiny(x)
+    assert len(vitprune.kept_positions(tiny)) == len(fused) == len(vitprune.get_config(tiny).stages)
     for a, b in zip(fused, vitprune.kept_positions(tiny)):
         assert torch.equal(a, b)
     assert_close(explicit_out, fused_out, rtol=1e-4, atol=1e-5)

@@ -130,6 +130,7 @@ def test_random_indicator_is_reproducible_from_a_seed_or_generator(tiny):
         return vitprune.kept_positions(tiny)
 
     a, b, c = kept_with(seed=3), kept_with(seed=3), kept_with(seed=4)
+    assert len(a) == len(b) == len(c) == len(vitprune.get_config(tiny).stages) > 0
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert not all(torch.equal(u, v) for u, v in zip(a, c))
     d = kept_with(generator=torch.Generator().manual_seed(3))

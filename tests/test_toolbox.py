@@ -98,6 +98,7 @@ def test_bf16_autocast_keeps_nearly_the_same_patches(dataset, indicator, options
             out = model(x)
         got = vitprune.kept_positions(model)
     assert torch.isfinite(out).all()
+    assert len(got) == len(reference) == len(vitprune.get_config(model).stages)
     for a, b in zip(reference, got):
         cut = -1 if options.get("reduction") == "fuse" else None  # the fusion token's -1
         agree = torch.stack([torch.isin(a[i, :cut], b[i, :cut]) for i in range(len(a))]).float().mean()
@@ -126,13 +127,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(indicator):
         torch.manual_seed(5)
         model.set_grad_checkpointing(checkpointing)
         torch.nn.functional.cross_entropy(model(x), target).backward()
-        return {n: p.grad for n, p in model.named_parameters()}, vitprune.kept_positions(model)
+        stages = len(vitprune.get_config(model).stages)
+        return {n: p.grad for n, p in model.named_parameters()}, vitprune.kept_positions(model), stages
 
-    plain, kept = grads(False)
-    checked, kept_checked = grads(True)
+    plain, kept, stages = grads(False)
+    checked, kept_checked, _ = grads(True)
     assert plain.keys() == checked.keys() and all(g is not None for g in checked.values())
     for name in plain:
         torch.testing.assert_close(checked[name], plain[name], msg=name)
+    assert len(kept_checked) == len(kept) == stages  # every stage, as the forward left them (not the recomputation)
     for a, b in zip(kept, kept_checked):
         assert torch.equal(a, b)
 
@@ -167,6 +170,7 @@ def test_forward_intermediates_before_pruning_match_the_unpatched_model():
         expected = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
         vitprune.patch(model, keep_rate=0.7, stages=None)  # stages (3, 6, 9)
         got = model.forward_intermediates(x, indices=[0, 2], intermediates_only=True)
+    assert len(got) == len(expected) == 2
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
         assert a.shape == (2, 192, 4, 4)
@@ -247,6 +251,7 @@ def test_forward_intermediates_maps_after_pruning_compile_and_export():
         take(a)
         exported_b = exported(b)
     for got, expected in [(first, expected_a), (from_graph_b, expected_b), (exported_b, expected_b)]:
+        assert len(got) == len(expected) > 0
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e)
     assert not torch.allclose(expected_a[2], expected_b[2])
