@@ -286,3 +286,14 @@ def test_a_one_head_model_refuses_head_disagreement_indicators(indicator):
     assert_same(before, snapshot(model))
     vitprune.patch(model, indicator="cls", keep_rate=0.5)  # one head is fine for the class-attention mean
     vitprune.patch(model, keep_rate=0.5)  # and for the defaults
+
+
+def test_a_block_called_alone_after_a_forward_runs_without_that_forward_s_size_bias():
+    """A following block reads the size bias its stage left in the last forward only where
+    the input is that forward's shape; on any other input it is timm's block as it was."""
+    model = vitprune.patch(tiny(), keep_rate=0.7, stages=(1,), class_only_last=False)
+    with torch.no_grad():
+        model(images(model, batch=2))  # stage 1 leaves a (2, 1, 1, 1 + 12) bias for blocks 2 and 3
+        for batch, tokens in [(3, 13), (2, 9)]:  # another batch, another token count
+            y = torch.randn(batch, tokens, 192)
+            assert torch.equal(model.blocks[2](y), timm.models.vision_transformer.Block.forward(model.blocks[2], y))
