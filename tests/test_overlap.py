@@ -124,6 +124,18 @@ def test_dynamic_img_size_with_overlap():
     assert tokens_entering_first_block(model, torch.randn(1, 3, 160, 96)) == 1 + 13 * 7
 
 
+def test_dynamic_img_pad_with_overlap_pads_to_whole_patches_first():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", dynamic_img_size=True, dynamic_img_pad=True).eval()
+    vitprune.patch(model, keep_rate=1.0, overlap_stride=12)
+    # 150 x 90 padded to 160 x 96 as PatchEmbed pads: (160 - 16) // 12 + 1 = 13 rows, (96 - 16) // 12 + 1 = 7 columns
+    x = torch.randn(1, 3, 150, 90)
+    assert tokens_entering_first_block(model, x) == 1 + 13 * 7
+    with torch.no_grad():  # the maps' grid is the patch embedding's dynamic_feat_size
+        maps = model.forward_intermediates(x, indices=[0, 11], intermediates_only=True)
+    assert [tuple(m.shape) for m in maps] == [(1, 192, 13, 7)] * 2
+
+
 def test_flop_counts_see_the_new_token_count(tiny):
     unpruned = analytic_flops(tiny)
     vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
