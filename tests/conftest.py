@@ -134,6 +134,14 @@ def assert_same(before, after):
     assert before["params"] == after["params"]
 
 
+def assert_same_per_stage(got, expected, stages):
+    """Per-stage tensors (``kept_positions``, ``token_groups``) equal stage by stage, and
+    ``stages`` of each: ``zip`` alone stops at the shorter list, so a lost stage would pass."""
+    assert len(got) == len(expected) == stages
+    for stage, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"stage {stage}"
+
+
 def make_visible(model: torch.nn.Module, suffixes: Tuple[str, ...]) -> torch.nn.Module:
     """``model`` with the parameters named by ``suffixes`` (biases, layer scales, relative
     position tables: timm starts many at or near zero) and the head's weight redrawn at a

@@ -11,7 +11,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from conftest import paper
+from conftest import assert_same_per_stage, paper
 
 
 #: The paper's fusion token and the defaults (bipartite merge, size-aware) through inductor;
@@ -39,9 +39,7 @@ def test_compiled_patched_model_matches_eager_without_graph_breaks(options, back
         eager_kept = vitprune.kept_positions(model)
         actual = compiled(x)
     assert_close(actual, expected, rtol=1e-4, atol=1e-5)
-    assert len(vitprune.kept_positions(model)) == len(eager_kept) == len(vitprune.get_config(model).stages)
-    for a, b in zip(vitprune.kept_positions(model), eager_kept):
-        assert torch.equal(a, b)
+    assert_same_per_stage(vitprune.kept_positions(model), eager_kept, len(vitprune.get_config(model).stages))
 
 
 @pytest.mark.slow
@@ -71,6 +69,4 @@ def test_compiled_under_autocast_the_matching_stays_float32_in_one_graph():
         eager_kept = vitprune.kept_positions(model)
         actual = compiled(x)
     assert_close(actual, expected, rtol=1e-2, atol=1e-2)  # bfloat16's resolution
-    assert len(vitprune.kept_positions(model)) == len(eager_kept) == len(vitprune.get_config(model).stages)
-    for a, b in zip(vitprune.kept_positions(model), eager_kept):
-        assert torch.equal(a, b)
+    assert_same_per_stage(vitprune.kept_positions(model), eager_kept, len(vitprune.get_config(model).stages))

@@ -6,7 +6,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from conftest import FAMILIES, MODEL_FACTORIES, build, image_batch, images, make_model, paper
+from conftest import FAMILIES, MODEL_FACTORIES, assert_same_per_stage, build, image_batch, images, make_model, paper
 
 
 @pytest.mark.parametrize("name", list(MODEL_FACTORIES))
@@ -45,9 +45,7 @@ def test_fused_and_explicit_paths_keep_the_same_patches(tiny):
         for block in tiny.blocks:
             block.attn.fused_attn = False
         explicit_out = tiny(x)
-    assert len(vitprune.kept_positions(tiny)) == len(fused) == len(vitprune.get_config(tiny).stages)
-    for a, b in zip(fused, vitprune.kept_positions(tiny)):
-        assert torch.equal(a, b)
+    assert_same_per_stage(vitprune.kept_positions(tiny), fused, len(vitprune.get_config(tiny).stages))
     assert_close(explicit_out, fused_out, rtol=1e-4, atol=1e-5)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 import vitprune
-from conftest import PAPER, image_batch
+from conftest import PAPER, assert_same_per_stage, image_batch
 from vitprune.families.attention import attend
 from vitprune.measure.baseline import fit_merging, merging_config
 from vitprune.measure.flops import schedule_flops
@@ -180,10 +180,9 @@ def test_defaults_give_the_same_model_outputs_with_the_general_matching_and_merg
         monkeypatch.setattr(state_module, "bipartite_merge", general)
     (fast, fast_positions, fast_sizes, fast_groups), (slow, slow_positions, slow_sizes, slow_groups) = runs
     assert torch.equal(fast, slow) and torch.equal(fast_sizes, slow_sizes)
-    assert len(fast_positions) == len(slow_positions) == len(model.blocks) - 1  # the last block: the class token alone
-    assert len(fast_groups) == len(slow_groups) == len(model.blocks) - 1
-    assert all(torch.equal(a, b) for a, b in zip(fast_positions, slow_positions))
-    assert all(torch.equal(a, b) for a, b in zip(fast_groups, slow_groups))
+    stages = len(model.blocks) - 1  # the last block: the class token alone
+    assert_same_per_stage(fast_positions, slow_positions, stages)
+    assert_same_per_stage(fast_groups, slow_groups, stages)
 
 
 def test_crowding_scores_by_hand():

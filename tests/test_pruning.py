@@ -9,7 +9,7 @@ import torch
 import vitprune
 from vitprune.measure.flops import token_schedule
 from vitprune.core.indicators import head_medad, head_variance
-from conftest import image_batch, make_model, paper
+from conftest import assert_same_per_stage, image_batch, make_model, paper
 
 
 def tokens_after_each_block(model, x):
@@ -130,11 +130,10 @@ def test_random_indicator_is_reproducible_from_a_seed_or_generator(tiny):
         return vitprune.kept_positions(tiny)
 
     a, b, c = kept_with(seed=3), kept_with(seed=3), kept_with(seed=4)
-    assert len(a) == len(b) == len(c) == len(vitprune.get_config(tiny).stages) > 0
-    assert all(torch.equal(u, v) for u, v in zip(a, b))
-    assert not all(torch.equal(u, v) for u, v in zip(a, c))
-    d = kept_with(generator=torch.Generator().manual_seed(3))
-    assert all(torch.equal(u, v) for u, v in zip(a, d))
+    stages = len(vitprune.get_config(tiny).stages)
+    assert_same_per_stage(b, a, stages)
+    assert len(c) == stages and not all(torch.equal(u, v) for u, v in zip(a, c))
+    assert_same_per_stage(kept_with(generator=torch.Generator().manual_seed(3)), a, stages)
 
 
 def test_indicators_choose_differently(tiny):

@@ -6,7 +6,7 @@ import timm
 import torch
 
 import vitprune
-from conftest import PAPER, assert_same, build, onnxruntime_output, small_vit, snapshot
+from conftest import PAPER, assert_same, assert_same_per_stage, build, onnxruntime_output, small_vit, snapshot
 from vitprune.data import datasets
 from vitprune.data import shipped as demo_models
 
@@ -135,9 +135,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(indicator):
     assert plain.keys() == checked.keys() and all(g is not None for g in checked.values())
     for name in plain:
         torch.testing.assert_close(checked[name], plain[name], msg=name)
-    assert len(kept_checked) == len(kept) == stages  # every stage, as the forward left them (not the recomputation)
-    for a, b in zip(kept, kept_checked):
-        assert torch.equal(a, b)
+    assert_same_per_stage(kept_checked, kept, stages)  # every stage, as the forward left them (not the recomputation)
 
 
 def test_forward_features_and_forward_head_compose_to_forward():
