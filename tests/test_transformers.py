@@ -301,6 +301,29 @@ def test_output_attentions_records_every_layer_at_its_pruned_length(name):
     torch.testing.assert_close(main_output(outputs), main_output(plain), **exact)
 
 
+@pytest.mark.parametrize("name", ["ViTModel", "Dinov2WithRegistersModel", "CLIPVisionModel",
+                                  "SiglipVisionModel (attention-pool head)"])
+def test_output_attentions_records_the_weights_with_the_size_bias(name):
+    """After a merge, the weights ``transformers`` records are those the layer attended with:
+    ``softmax(q k^T * scale + log s)``, every key's logit raised by the log of the patches its
+    token holds (prefix tokens hold one), computed here from the layer's own projections."""
+    model, x = build(name, "eager"), images()
+    vitprune.patch(model, keep_rate=0.5, stages=(1,), class_only_last=False)
+    last = [m for m in model.modules() if hasattr(m, "q_proj")][-1]  # the last layer's attention
+    seen = {}
+    last.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0]), with_kwargs=True)
+    with torch.no_grad():
+        recorded = model(pixel_values=x, output_attentions=True).attentions[-1]
+    sizes, prefix = model.vitprune_state.sizes, MODELS[name][2]
+    assert (sizes > 1).any()  # merged tokens: a missing bias changes the weights
+    heads = getattr(last, "num_attention_heads", None) or last.num_heads
+    q, k = (proj(seen["x"]).unflatten(-1, (heads, -1)).transpose(1, 2) for proj in (last.q_proj, last.k_proj))
+    scale = getattr(last, "scaling", None) or last.scale
+    log_sizes = torch.cat([torch.zeros(sizes.shape[0], prefix), sizes.log()], dim=1)
+    expected = (q @ k.transpose(-2, -1) * scale + log_sizes[:, None, None, :]).softmax(-1)
+    torch.testing.assert_close(recorded, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(not hasattr(torch.ao.quantization, "quantize_dynamic"), reason="no quantize_dynamic in this torch")
 @pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")

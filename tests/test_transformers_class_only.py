@@ -163,6 +163,26 @@ def test_training_and_gradient_checkpointing_give_the_gradients_of_the_whole_lay
             torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("name", CLASSIFIERS)
+def test_the_prefix_alone_passes_through_the_layers_dropout(name):
+    """Training, the last layer's dropout at 1.0 (both its branches zeroed): that layer passes
+    its input through, so the prefix alone gives the logits of the whole layer exactly; a
+    shortcut that skipped the layer's dropout would add the branches."""
+    x = images()
+
+    def logits(class_only):
+        model = build(name).train()
+        last = [m for m in model.modules() if hasattr(m, "layernorm_before")][-1]  # the last layer
+        last.dropout.p = 1.0
+        vitprune.patch(model, keep_rate=0.5, class_only_last=class_only)
+        with torch.no_grad():
+            out, tokens = last_layer_tokens(model, lambda: model(x).logits)
+        assert (tokens == CLASSIFIERS[name][1]) is class_only
+        return out
+
+    torch.testing.assert_close(logits(True), logits(False), rtol=0, atol=0)
+
+
 def test_unpatch_restores_the_class_and_everything():
     model, x = build("DeiTForImageClassification"), images()
     with torch.no_grad():

@@ -354,6 +354,8 @@ _MODELS = [
 def _siglip_head(model: nn.Module) -> "list[nn.Module]":
     head = getattr(model, "head", None)
     return [head] if isinstance(head, SiglipMultiheadAttentionPoolingHead) else []
+
+
 PATCHED = {}
 for _original, _body, _prefix_of in _MODELS:
     PATCHED[_original] = _model_class(_original, _body)
