@@ -10,7 +10,7 @@ from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer_relpos import RelPosBlock
 
 import vitprune
-from vitprune.families.relpos import follow_bias, token_index
+from vitprune.families.relpos import follow_bias, full_bias, token_index
 
 
 def test_follow_bias_gathers_rows_and_columns_and_zeroes_the_fusion_token():
@@ -63,3 +63,27 @@ def test_a_block_after_pruning_sees_each_kept_token_with_its_own_bias(case, fuse
             with mock.patch.object(owner(attn), method(attn), lambda *a: sub[None]):
                 expected = block_class.forward(model.blocks[2], seen["x"][b:b + 1])
             torch.testing.assert_close(seen["out"][b:b + 1], expected)
+
+
+def test_beit_with_its_own_and_the_shared_table_adds_both():
+    """A BEiT built with both tables (``use_rel_pos_bias`` and ``use_shared_rel_pos_bias``)
+    adds each block's own table to the shared one, as timm does: the sum over the full grid,
+    and at keep 1.0 the unpatched model's output. The tables start at zero in timm, so they
+    are filled here: a zero table would hide either one being left out."""
+    torch.manual_seed(0)
+    model = timm.create_model("beit_base_patch16_224", img_size=64, depth=4, use_rel_pos_bias=True,
+                              use_shared_rel_pos_bias=True).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    attn, shared = model.blocks[1].attn, model.rel_pos_bias()
+    own = attn._get_rel_pos_bias()
+    assert shared.dim() == 3 and own.dim() == 4 and (own != 0).any() and (shared != 0).any()
+    torch.testing.assert_close(full_bias(attn, shared), own + shared[None], rtol=0, atol=0)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(x)
+        vitprune.patch(model, keep_rate=1.0)
+        got = model(x)
+    torch.testing.assert_close(got, expected)

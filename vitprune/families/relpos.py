@@ -73,14 +73,13 @@ class _BiasBlock(PruningBlock):
 
     def _vitprune_bias(self, tokens: torch.Tensor, shared: Optional[torch.Tensor],
                        queries: Optional[int] = None) -> Optional[torch.Tensor]:
-        """The relative bias among ``tokens`` (the rows of the first ``queries`` alone, or all)
-        plus the size bias."""
+        """The relative bias among ``tokens`` plus the size bias. After a stage, where the
+        bias is gathered, only the rows of the first ``queries`` tokens are (``None``: all);
+        ``prefix_attention`` takes the prefix rows of a full-grid bias itself."""
         sizes = self._vitprune_begin(tokens)
         bias, positions = full_bias(self.attn, shared), self._vitprune_positions()
         if bias is not None and positions is not None:
             bias = follow_bias(bias, token_index(positions, self.vitprune_state.num_prefix, bias.shape[-1]), queries)
-        elif bias is not None and queries is not None:
-            bias = bias[:, :, :queries]
         if sizes is not None:
             bias = sizes if bias is None else bias + sizes
         return bias
