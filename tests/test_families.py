@@ -249,14 +249,22 @@ def test_log_size_bias_equals_repeating_the_token_in_attention_pooling():
         torch.testing.assert_close(pool(tokens, attn_mask=sizes.log()[:, None, None, :]), pool(repeated))
 
 
-def test_map_head_receives_the_log_size_bias():
-    model = vitprune.patch(build("siglip map (attention pool)"), keep_rate=0.5)
+@pytest.mark.parametrize("name, pools_prefix", [("siglip map (attention pool)", False),
+                                                 ("PE core (rope, map pool)", True)])
+def test_map_head_receives_the_log_size_bias(name, pools_prefix):
+    """The attention pool weights each token by the patches it holds; timm's Eva (PE core)
+    pools its class token too, as one patch."""
+    model = vitprune.patch(build(name), keep_rate=0.5)
     x = images(model)
     with torch.no_grad():
         features = model.forward_features(x)
-        sizes = model.vitprune_state.sizes
-        biased = model.attn_pool(features, attn_mask=sizes.log()[:, None, None, :])
-        plain = model.attn_pool(features)
+        sizes, P = model.vitprune_state.sizes, model.num_prefix_tokens
+        pooled = features if pools_prefix else features[:, P:]
+        if pools_prefix:
+            assert P == 1
+            sizes = torch.cat([torch.ones(len(sizes), P), sizes], dim=1)
+        biased = model.attn_pool(pooled, attn_mask=sizes.log()[:, None, None, :])
+        plain = model.attn_pool(pooled)
         out = model.forward_head(features, pre_logits=True)
     torch.testing.assert_close(out, model.fc_norm(biased))
     assert not torch.allclose(out, model.fc_norm(plain))

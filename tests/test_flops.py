@@ -70,6 +70,9 @@ def test_num_patches_follows_the_convolution():
     assert num_patches(model) == 196
     assert num_patches(model, (160, 96)) == 60
     assert num_patches(model, 64) == 16
+    assert num_patches(model, (16, 31)) == 1  # a side equal to the kernel holds one patch
+    with pytest.raises(ValueError, match="at least the patch size"):
+        num_patches(model, (16, 15))
 
 
 @pytest.mark.parametrize("stages", ["spread", "spread2", "spread3"])

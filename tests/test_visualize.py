@@ -38,7 +38,7 @@ def test_footprints_tile_the_image_without_overlap_and_overlap_with_a_smaller_st
 
 
 @pytest.mark.parametrize("kernel, stride, padding", [(4, 4, 0), (4, 3, 1), (3, 2, "valid"), (3, 1, "same"),
-                                                     (4, 1, "same")])
+                                                     (4, 1, "same"), ((3, 4), (2, 3), (1, 0))])
 def test_a_footprint_is_the_pixels_its_token_reads(kernel, stride, padding, monkeypatch):
     # the pixels whose gradient reaches one output position of the convolution, torch's padding rules included
     conv = torch.nn.Conv2d(1, 1, kernel, stride=stride, padding=padding, bias=False)
