@@ -4,6 +4,7 @@ import copy
 import csv
 import json
 import re
+import types
 
 import pytest
 import timm
@@ -11,11 +12,12 @@ import torch
 from PIL import Image
 
 import vitprune
+from conftest import small_vit
 from vitprune.commands.cli import main
 from vitprune.data import folders
 from vitprune.data.accuracy import accuracy
 from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
-from vitprune.measure.evaluate import build_settings, evaluate, median_speedups
+from vitprune.measure.evaluate import apply_setting, build_settings, evaluate, gflops_of, median_speedups
 from vitprune.pictures import pyplot
 from vitprune.pictures.frontier import draw_frontier, draw_frontiers, pareto_front
 
@@ -173,6 +175,42 @@ def test_speedup_is_the_median_of_the_per_batch_ratios_by_hand():
     assert median_speedups(seconds) == [1.0, 2.0, 1.0]
     # the ratios of total times would read 8.0 and 1.5: one stalled batch would set them
     assert [sum(seconds[0]) / sum(times) for times in seconds] == [1.0, 8.0, 1.5]
+
+
+def test_evaluate_stops_at_the_limit_rotates_who_goes_first_and_times_each_batch(monkeypatch):
+    """Batches of 3 with ``limit=7``: three batches (3, 3 and the first image of the third);
+    the first setting on batch ``b`` is setting ``b`` (mod 3); on a clock that reads one
+    second more at every call each run takes 1 s, so every setting reads 7 / 3 images/s."""
+    model = small_vit(depth=2)
+    settings = build_settings(model, keep_rates=[0.9, 0.5])
+    def key(m):  # which setting a copy runs: its resolved keep rates (per stage)
+        return vitprune.get_config(m).keep_rate if vitprune.is_patched(m) else None
+
+    keys = [key(apply_setting(copy.deepcopy(model), s)) for s in settings]
+    assert len(set(keys)) == 3
+    order = []
+    model.register_forward_hook(lambda m, args, out: order.append(keys.index(key(m))))
+    clock = iter(range(10 ** 6))
+    monkeypatch.setattr("vitprune.measure.evaluate.time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    data = torch.randn(12, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    batches = [(data[i:i + 3], torch.zeros(3, dtype=torch.long)) for i in range(0, 12, 3)]
+    rows = evaluate(model, batches, settings, limit=7)
+    assert [(r.images, r.batches) for r in rows] == [(7, 3)] * 3
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert [r.images_per_s for r in rows] == [7 / 3] * 3 and [r.speedup for r in rows] == [1.0] * 3
+
+
+def test_the_baseline_at_a_keep_rate_is_fitted_to_that_settings_own_flops():
+    """``--class-only-last`` forced off: merging is fitted to the FLOPs of the defaults with
+    the whole last block, not of those with the class token alone; where the defaults cost the
+    unpruned FLOPs or more (keep 1.0 pays for the reduction step), merging merges nothing."""
+    model = timm.create_model("deit_tiny_patch16_224").eval()
+    settings = {s.label: s for s in build_settings(model, keep_rates=[0.7, 1.0], baseline=True,
+                                                   class_only_last=False)}
+    target = gflops_of(apply_setting(copy.deepcopy(model), settings["default full last keep 0.7"]))
+    merging = gflops_of(apply_setting(copy.deepcopy(model), settings["merging at default keep 0.7"]))
+    assert 0.99 * target < merging <= target
+    assert settings["merging at default keep 1"].options["config"].keep_rate == (1.0,) * 12
 
 
 def test_pareto_front_by_hand():
