@@ -297,3 +297,27 @@ def test_a_block_called_alone_after_a_forward_runs_without_that_forward_s_size_b
         for batch, tokens in [(3, 13), (2, 9)]:  # another batch, another token count
             y = torch.randn(batch, tokens, 192)
             assert torch.equal(model.blocks[2](y), timm.models.vision_transformer.Block.forward(model.blocks[2], y))
+
+
+def test_a_stage_called_alone_after_a_forward_indexes_its_own_input():
+    """A stage block called alone on another batch chains its positions to nothing: they index
+    the tokens it was given, not the last forward's previous stage (whose batch differs)."""
+    model = vitprune.patch(tiny(), keep_rate=0.5, stages=(1, 2), class_only_last=False)
+    with torch.no_grad():
+        model(images(model, batch=2))
+        model.blocks[2](torch.randn(3, 1 + 12, 192))  # stage 1 alone: 12 patch tokens, keeps 6
+    positions = vitprune.kept_positions(model)[-1]
+    assert positions.shape == (3, 6) and all(sorted(row) == sorted(set(row)) for row in positions.tolist())
+    assert 0 <= positions.min() and positions.max() < 12
+
+
+def test_a_stage_that_keeps_every_token_changes_nothing_after_a_merge():
+    """Stages 1 and 2 at keep rates 0.5 and 1.0 give what stage 1 alone gives: the second
+    passes the tokens, their sizes and the size bias on to the blocks after it."""
+    x = images(tiny(), batch=2)
+    with torch.no_grad():
+        expected = vitprune.patch(tiny(), keep_rate=0.5, stages=(1,))(x)
+        model = vitprune.patch(tiny(), keep_rate=(0.5, 1.0), stages=(1, 2))
+        got = model(x)
+    assert (model.vitprune_state.sizes > 1).any()  # merged tokens: without their bias the output moves
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
