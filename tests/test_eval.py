@@ -183,6 +183,7 @@ def test_evaluate_stops_at_the_limit_rotates_who_goes_first_and_times_each_batch
     second more at every call each run takes 1 s, so every setting reads 7 / 3 images/s."""
     model = small_vit(depth=2)
     settings = build_settings(model, keep_rates=[0.9, 0.5])
+
     def key(m):  # which setting a copy runs: its resolved keep rates (per stage)
         return vitprune.get_config(m).keep_rate if vitprune.is_patched(m) else None
 

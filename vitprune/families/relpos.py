@@ -73,9 +73,10 @@ class _BiasBlock(PruningBlock):
 
     def _vitprune_bias(self, tokens: torch.Tensor, shared: Optional[torch.Tensor],
                        queries: Optional[int] = None) -> Optional[torch.Tensor]:
-        """The relative bias among ``tokens`` plus the size bias. After a stage, where the
-        bias is gathered, only the rows of the first ``queries`` tokens are (``None``: all);
-        ``prefix_attention`` takes the prefix rows of a full-grid bias itself."""
+        """The relative bias among ``tokens`` plus the size bias. After a stage the bias is
+        gathered for the current tokens, the rows of the first ``queries`` of them only
+        (``None``: every row); before any stage it is the full grid's, whose prefix rows
+        ``prefix_attention`` takes itself."""
         sizes = self._vitprune_begin(tokens)
         bias, positions = full_bias(self.attn, shared), self._vitprune_positions()
         if bias is not None and positions is not None:
