@@ -10,6 +10,7 @@ from timm.models.beit import Block as BeitBlock
 from timm.models.vision_transformer_relpos import RelPosBlock
 
 import vitprune
+from conftest import make_visible
 from vitprune.families.relpos import follow_bias, full_bias, token_index
 
 
@@ -71,12 +72,8 @@ def test_beit_with_its_own_and_the_shared_table_adds_both():
     and at keep 1.0 the unpatched model's output. The tables start at zero in timm, so they
     are filled here: a zero table would hide either one being left out."""
     torch.manual_seed(0)
-    model = timm.create_model("beit_base_patch16_224", img_size=64, depth=4, use_rel_pos_bias=True,
-                              use_shared_rel_pos_bias=True).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("relative_position_bias_table"):
-                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    model = make_visible(timm.create_model("beit_base_patch16_224", img_size=64, depth=4, use_rel_pos_bias=True,
+                                           use_shared_rel_pos_bias=True).eval(), ("relative_position_bias_table",))
     attn, shared = model.blocks[1].attn, model.rel_pos_bias()
     own = attn._get_rel_pos_bias()
     assert shared.dim() == 3 and own.dim() == 4 and (own != 0).any() and (shared != 0).any()

@@ -45,12 +45,16 @@ def images(batch=2, seed=1):
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
 
 
+def last_layer(model):
+    """The last ViT or DeiT layer of ``model``."""
+    layers = (T.models.vit.modeling_vit.ViTLayer, T.models.deit.modeling_deit.DeiTLayer)
+    return [m for m in model.modules() if isinstance(m, layers)][-1]
+
+
 def last_layer_tokens(model, call):
     """What the last layer returns during ``call()``: its output's token count."""
     seen = {}
-    layers = (T.models.vit.modeling_vit.ViTLayer, T.models.deit.modeling_deit.DeiTLayer)
-    last = [m for m in model.modules() if isinstance(m, layers)][-1]
-    handle = last.register_forward_hook(lambda m, args, out: seen.update(tokens=out.shape[1]))
+    handle = last_layer(model).register_forward_hook(lambda m, args, out: seen.update(tokens=out.shape[1]))
     try:
         result = call()
     finally:
@@ -172,8 +176,7 @@ def test_the_prefix_alone_passes_through_the_layers_dropout(name):
 
     def logits(class_only):
         model = build(name).train()
-        last = [m for m in model.modules() if hasattr(m, "layernorm_before")][-1]  # the last layer
-        last.dropout.p = 1.0
+        last_layer(model).dropout.p = 1.0
         vitprune.patch(model, keep_rate=0.5, class_only_last=class_only)
         with torch.no_grad():
             out, tokens = last_layer_tokens(model, lambda: model(x).logits)
