@@ -3,6 +3,7 @@ subclass of the module's class (``FSDP<class>``). A model patched and then shard
 trains as the same patch unsharded; ``unpatch`` and ``patch`` after sharding are refused
 with a message naming the order, and change nothing (one process, gloo)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -31,8 +32,11 @@ def build():
                              num_heads=3, num_classes=4)
 
 
-def shard(model):
+def shard(model, inner=()):
+    """Shard the blocks and the model, and first each block's modules named in ``inner``."""
     for block in model.blocks:
+        for name in inner:
+            fully_shard(block.get_submodule(name))
         fully_shard(block)
     fully_shard(model)
     return model
@@ -52,19 +56,37 @@ def last_block_rows(model, x):
     return rows
 
 
-def test_a_model_patched_then_sharded_runs_and_trains_as_the_same_patch_unsharded():
+@pytest.mark.parametrize("inner", [(), ("attn.qkv",)], ids=["blocks", "blocks and qkv"])
+def test_a_model_patched_then_sharded_runs_and_trains_as_the_same_patch_unsharded(inner):
+    """With ``qkv`` sharded too, the class-only last block must call it (its hooks gather the
+    weight), not slice its weight."""
     x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1, 2])
     expected = trained_logits(vitprune.patch(build(), keep_rate=0.6), x, labels)
-    model = shard(vitprune.patch(build(), keep_rate=0.6))
+    model = shard(vitprune.patch(build(), keep_rate=0.6), inner)
     assert vitprune.is_patched(model) and vitprune.get_config(model).class_only_last
     # trained before any other call: the optimizer must hold the sharded parameters
     torch.testing.assert_close(trained_logits(model, x, labels), expected, rtol=1e-5, atol=1e-6)
     assert last_block_rows(model, x) == [1]  # the class token alone, as unsharded
 
 
-def test_unpatch_after_sharding_is_refused_and_changes_nothing():
-    model = shard(vitprune.patch(build(), keep_rate=0.6))
+def test_an_attention_module_sharded_after_patch_is_named_at_the_first_call():
+    """A swapped block runs its attention's layers itself, so ``fully_shard``'s hooks on the
+    attention module would not gather its parameters: the first call names it."""
+    model = shard(vitprune.patch(build(), keep_rate=0.6, stages=(1,)), ("attn",))
+    with pytest.warns(UserWarning, match=r"hooks were registered on blocks\.1\.attn after patch"):
+        with contextlib.suppress(RuntimeError):  # the parameters stay sharded: torch refuses them
+            model(torch.randn(1, 3, 32, 32))
+
+
+@pytest.mark.parametrize("sharded", ["model and blocks", "blocks"])
+def test_unpatch_after_sharding_is_refused_and_changes_nothing(sharded):
+    model = vitprune.patch(build(), keep_rate=0.6)
+    if sharded == "blocks":  # the model keeps its patched class: the blocks must be seen
+        for block in model.blocks:
+            fully_shard(block)
+    else:
+        shard(model)
     before = snapshot(model)
     with pytest.raises(TypeError, match="before fully_shard"):
         vitprune.unpatch(model)

@@ -26,10 +26,10 @@ _NAMED: Set[int] = set()
 
 
 #: Hooks that are tools' own, not the user's: ``transformers``' output recorders (the patched
-#: layers serve what they record), the scope hooks fvcore's tracer puts on every module (they
-#: read no tensor; ``count_flops`` must count what runs without them) and PyTorch's
-#: distributed wrappers' (``fully_shard`` gathers a block's parameters around its call).
-_TOOLS = ("transformers.", "fvcore.", "torch.distributed.")
+#: layers serve what they record) and the scope hooks fvcore's tracer puts on every module (they
+#: read no tensor; ``count_flops`` must count what runs without them). ``fully_shard``'s hooks
+#: count as the user's: on an attention module or its ``qkv`` they gather the parameters.
+_TOOLS = ("transformers.", "fvcore.")
 
 
 def _users_hook(hook: Any) -> bool:
