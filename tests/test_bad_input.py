@@ -57,8 +57,32 @@ def newer_block(name):
     return block
 
 
+def map_pool_with_position_embedding():
+    """A map-pooled ViT whose attention pool adds a position embedding to a full grid."""
+    from timm.layers import AttentionPoolLatent
+
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64, global_pool="map", class_token=False)
+    model.attn_pool = AttentionPoolLatent(192, num_heads=3, pos_embed="abs", feat_size=16)
+    return model
+
+
+class TalkingAttention(vision_transformer.Attention):
+    """A subclass of timm's ``Attention`` with a forward of its own, which vitprune would not run."""
+
+    def forward(self, x, *args, **kwargs):
+        return 2 * super().forward(x, *args, **kwargs)
+
+
+def with_a_subclassed_attention():
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64, depth=2)
+    model.blocks[1].attn.__class__ = TalkingAttention
+    return model
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: nn.Linear(3, 3), "supported: timm VisionTransformer"),
+    (with_a_subclassed_attention, r"block 1 uses attention TalkingAttention \(attn\); .* with timm's Attention"),
+    (map_pool_with_position_embedding, "AttentionPoolLatent without a position embedding .*: its input must stay"),
     (lambda: timm.create_model("resnet10t"), "cannot patch a .*ResNet"),
     (lambda: "deit_small_patch16_224", "torch.nn.Module"),
     (lambda: timm.create_model("deit_tiny_patch16_224", global_pool="prr"), "got .prr.: this pooling"),

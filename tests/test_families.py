@@ -438,6 +438,34 @@ def test_patch_names_exactly_the_attention_hooks_that_will_not_run(name, followe
     assert sorted(ran) == [i for i in range(last + 1) if i not in skipped]
 
 
+def test_a_parallel_branch_holding_an_attention_is_named_and_its_module_list_is_not():
+    """ParallelThingsBlock keeps each attention in a branch (``attns.i``, a ``Sequential``) of
+    a ``ModuleList``: the swapped block calls neither branch, so hooks on a branch go silent
+    and are named; a ``ModuleList`` is never called, even by timm, so its hooks are not. A
+    full backward pre-hook alone is named too."""
+    import warnings
+
+    model = build("ParallelThingsBlock")
+    block = model.blocks[1]
+    ran = []
+    block.attns.register_forward_hook(lambda *a: ran.append("attns"))
+    block.attns[0].register_forward_hook(lambda *a: ran.append("attns.0"))
+    block.attns[1].attn.register_full_backward_pre_hook(lambda *a: None)
+    with torch.no_grad():
+        model(images(model))
+    assert ran == ["attns.0"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vitprune.patch(model, keep_rate=0.7, stages=(1,))
+    named = [str(w.message) for w in caught if "hooks registered on" in str(w.message)]
+    assert len(named) == 1 and "will not run while the model is patched: blocks.1.attns.0, blocks.1.attns.1.attn;" \
+        in named[0]
+    ran.clear()
+    with torch.no_grad():
+        model(images(model))
+    assert ran == []
+
+
 def test_a_patch_without_hooks_on_attention_modules_warns_nothing():
     import warnings
 

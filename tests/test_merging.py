@@ -445,6 +445,16 @@ def test_fit_keep_rate_is_exact_to_one_token_for_every_schedule_and_reduction(ti
     assert over > target * 1e9
 
 
+@pytest.mark.parametrize("rate", [0.5, 1e-9], ids=["half", "one token per stage"])
+def test_a_budget_equal_to_a_schedules_flops_is_met_by_that_schedule(tiny, rate):
+    """The budget is met with equality allowed: a target that is exactly some rate's FLOPs,
+    the least the schedule can cost included, fits at those FLOPs."""
+    flops = schedule_flops(tiny, vitprune.PruneConfig(keep_rate=rate))
+    assert flops / 1e9 * 1e9 == flops  # the budget in GFLOPs is this count exactly
+    fitted = vitprune.fit_keep_rate(tiny, flops / 1e9)
+    assert schedule_flops(tiny, vitprune.PruneConfig(keep_rate=fitted)) == flops
+
+
 def test_keep_1_equals_the_unpatched_model_for_every_mode(tiny):
     x = image_batch(tiny)
     with torch.no_grad():

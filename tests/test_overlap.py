@@ -178,6 +178,15 @@ def test_fit_overlap_matches_the_unpruned_budget(tiny):
         fit_overlap(tiny, 0.5, min_keep_rate=0.99)
 
 
+def test_fit_overlap_takes_a_keep_rate_equal_to_its_bound(tiny):
+    """``min_keep_rate`` is inclusive: set to an option's own keep rate, that option is the
+    smallest stride allowed."""
+    options = overlap_options(tiny)
+    bound = options[2]
+    assert all(o.keep_rate < bound.keep_rate for o in options[3:])
+    assert fit_overlap(tiny, min_keep_rate=bound.keep_rate) == bound
+
+
 def test_overlap_options_run_from_no_overlap_down_to_the_last_stride_that_fits(tiny):
     budget = analytic_flops(tiny) / 1e9
     options = overlap_options(tiny)

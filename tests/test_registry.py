@@ -1,5 +1,7 @@
 """The family registry: a family is one record, registered by its own module."""
 
+import copy
+
 import pytest
 import torch
 from timm.layers import Attention
@@ -45,6 +47,33 @@ def test_a_new_family_is_one_registration(clean_registry):
     assert type(model) is MyViT
     assert_same(before, snapshot(model))
     assert MyViT in vitprune.supported_models()
+
+
+class Patchify(torch.nn.Module):
+    """A patch embedding's projection that is not a ``Conv2d`` (the same convolution, by hand)."""
+
+    def __init__(self, conv):
+        super().__init__()
+        self.weight, self.bias, self.stride = conv.weight, conv.bias, conv.stride
+
+    def forward(self, x):
+        return torch.nn.functional.conv2d(x, self.weight, self.bias, self.stride)
+
+
+def test_without_a_patch_convolution_the_schedule_counts_the_embeddings_own_patches():
+    """No convolution to follow: the spread schedule is worked out from the patch
+    embedding's ``num_patches``, the same as for the model with its ``Conv2d``."""
+    torch.manual_seed(0)
+    plain = VisionTransformer(img_size=64, patch_size=16, embed_dim=32, depth=6, num_heads=2).eval()
+    custom = copy.deepcopy(plain)
+    custom.patch_embed.proj = Patchify(custom.patch_embed.proj)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(custom(x), plain(x))
+        for model in (plain, custom):
+            vitprune.patch(model, keep_rate=0.4)
+        assert torch.equal(custom(x), plain(x))
+    assert vitprune.get_config(custom) == vitprune.get_config(plain)
 
 
 def test_unsupported_messages_come_from_the_registry():

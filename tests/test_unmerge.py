@@ -97,6 +97,31 @@ def test_what_does_not_fit_the_last_forward_is_refused(call, error, match):
         call(model, tokens)
 
 
+def test_only_the_prefix_and_patches_or_the_patches_alone_are_taken():
+    """With four register tokens beside the class token (5 prefix tokens) every token count
+    but ``left`` and ``5 + left`` is refused, the counts next to them included."""
+    model, tokens = features({}, reg_tokens=4)
+    left = vitprune.token_groups(model)[-1].amax().item() + 1
+    assert tokens.shape[1] == 5 + left
+    for count in range(left - 2, left + 8):
+        cut = torch.cat([tokens, tokens[:, -2:]], dim=1)[:, -count:]
+        if count in (left, 5 + left):
+            assert vitprune.unmerge(model, cut).shape[1] == count - left + PATCHES
+        else:
+            with pytest.raises(ValueError, match="patch tokens"):
+                vitprune.unmerge(model, cut)
+
+
+def test_the_first_block_counts_from_the_end_as_minus_the_depth():
+    model = vitprune.patch(small_vit(), keep_rate=0.5, **paper())
+    x = images(model)
+    with torch.no_grad():
+        first, = model.forward_intermediates(x, indices=[0], output_fmt="NLC", intermediates_only=True)
+    assert vitprune.unmerge(model, first, block=-12) is first
+    with pytest.raises(ValueError, match=r"block must be in \[-12, 11\] .*, got -13"):
+        vitprune.unmerge(model, first, block=-13)
+
+
 def test_a_patch_without_stages_gives_the_tokens_back():
     model, tokens = features(dict(stages=()))
     assert vitprune.unmerge(model, tokens) is tokens
