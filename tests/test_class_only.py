@@ -56,6 +56,24 @@ def test_nothing_reduced_gives_the_unpatched_logits(kind, fused):
     assert_class_only_exact(build(kind), images(), fused, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["class token", "ResPostBlock"])
+def test_a_hook_added_after_patch_to_the_last_attention_is_named_at_the_first_call(kind):
+    """The last block computes the prefix tokens alone through its attention's layers, so a
+    hook registered on that attention after ``patch`` does not run: the first call names it."""
+    import warnings
+
+    model = vitprune.patch(build(kind), keep_rate=0.5)
+    assert vitprune.get_config(model).class_only_last
+    ran = []
+    model.blocks[-1].attn.register_forward_hook(lambda *a: ran.append(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logits(model, images())
+    named = [str(w.message) for w in caught if "after patch" in str(w.message)]
+    assert len(named) == 1 and "hooks were registered on blocks.3.attn after patch" in named[0]
+    assert ran == []
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_hook_on_the_last_qkv_runs_on_every_token_as_in_timm(kind):
     """The prefix tokens' queries come from a slice of ``qkv``'s weight, so its hooks would not

@@ -56,6 +56,11 @@ def last_block_rows(model, x):
     return rows
 
 
+#: torch's own warning wherever a sharded Linear or attention returns a view (timm's too, unpatched).
+TORCH_VIEW_WARNING = "ignore:FSDP2-wrapped module .* returned a view tensor"
+
+
+@pytest.mark.filterwarnings(TORCH_VIEW_WARNING)
 @pytest.mark.parametrize("inner", [(), ("attn.qkv",)], ids=["blocks", "blocks and qkv"])
 def test_a_model_patched_then_sharded_runs_and_trains_as_the_same_patch_unsharded(inner):
     """With ``qkv`` sharded too, the class-only last block must call it (its hooks gather the
@@ -70,6 +75,7 @@ def test_a_model_patched_then_sharded_runs_and_trains_as_the_same_patch_unsharde
     assert last_block_rows(model, x) == [1]  # the class token alone, as unsharded
 
 
+@pytest.mark.filterwarnings(TORCH_VIEW_WARNING)
 def test_an_attention_module_sharded_after_patch_is_named_at_the_first_call():
     """A swapped block runs its attention's layers itself, so ``fully_shard``'s hooks on the
     attention module would not gather its parameters: the first call names it."""

@@ -1,5 +1,7 @@
 """The indicators against values worked out by hand (docs/method.md §2)."""
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -80,3 +82,40 @@ def test_random_is_seedable_and_uniform():
     assert a.shape == (3, 50) and a.dtype == torch.float32
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert ((a >= 0) & (a < 1)).all()
+
+
+@pytest.mark.parametrize("layout", ["heads first", "as timm's fused qkv lays it out"])
+def test_the_class_row_is_the_softmax_of_the_biased_logits_by_hand(layout):
+    """One query per head (the class token), keys 0, 1, 2 (d = 1, scale 1), and a bias of
+    log 2 on key 1 (a token holding two patches): the logits are 0, 1 + log 2, 2, so the row
+    over the two patches is (2e, e^2) / (1 + e)^2. The second head's keys are doubled, and
+    it gets no bias on the row: (e^2, e^4) / (1 + e^2 + e^4)."""
+    from vitprune.families.attention import class_attention_row
+
+    keys = torch.tensor([[0.0, 0.0], [1.0, 2.0], [2.0, 4.0]])  # (L, H)
+    if layout == "heads first":
+        k = keys.T.reshape(1, 2, 3, 1).contiguous()
+    else:  # (B, L, H, d) in memory, viewed as (B, H, L, d)
+        k = keys.reshape(1, 3, 2, 1).permute(0, 2, 1, 3)
+        assert k.stride(1) == 1 and k.stride(3) == 1  # the product on that layout
+    q = torch.ones(1, 2, 3, 1)
+    bias = torch.zeros(1, 2, 3, 3)
+    bias[0, 0, :, 1] = math.log(2)
+    e = math.e
+    expected = torch.tensor([[[2 * e, e ** 2], [e ** 2, e ** 4]]])
+    expected /= torch.tensor([[[(1 + e) ** 2], [1 + e ** 2 + e ** 4]]])
+    assert_close(class_attention_row(q, k, 1.0, 1, bias), expected)
+
+
+def test_without_a_class_token_the_row_is_the_mean_attention_each_token_receives_by_hand():
+    """Queries 0 and 1, keys 0 and 1 (d = 1, scale 1): the first query attends (1/2, 1/2),
+    the second (1, e) / (1 + e); each key's row entry is the mean over the two queries."""
+    from vitprune.families.attention import attend
+
+    q = torch.tensor([0.0, 1.0]).reshape(1, 1, 2, 1)
+    k = q.clone()
+    _, scored = attend(q, k, k, scale=1.0, fused=True, attn_drop=torch.nn.Dropout(0.0), num_prefix=0,
+                       source="mean")
+    e = math.e
+    expected = torch.tensor([[[(0.5 + 1 / (1 + e)) / 2, (0.5 + e / (1 + e)) / 2]]])
+    assert_close(scored.row, expected)

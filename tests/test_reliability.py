@@ -321,3 +321,22 @@ def test_a_stage_that_keeps_every_token_changes_nothing_after_a_merge():
         got = model(x)
     assert (model.vitprune_state.sizes > 1).any()  # merged tokens: without their bias the output moves
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mask", [dict(attn_mask=torch.zeros(1, 1, 17, 17)), dict(is_causal=True)], ids=str)
+def test_a_pruning_block_refuses_a_mask_it_could_not_follow(mask):
+    """A mask would not match the tokens after a reduction: a stage block refuses either kind."""
+    model = vitprune.patch(small_vit(), keep_rate=0.5, **paper(stages=(1,)))
+    with pytest.raises(ValueError, match="cannot apply attn_mask or is_causal"):
+        model.blocks[1](torch.randn(1, 17, 192), **mask)
+
+
+def test_attention_dropout_is_off_in_eval_mode_in_the_blocks_the_patch_runs():
+    """Built with attention dropout, in eval mode: every block run by vitprune (keep 1.0, a
+    stage in every block) gives the unpatched logits."""
+    model = small_vit(attn_drop_rate=0.5)
+    x = images(model)
+    with torch.no_grad():
+        expected = model(x)
+        vitprune.patch(model, keep_rate=1.0, stages="all", class_only_last=False)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
