@@ -62,7 +62,8 @@ def map_pool_with_position_embedding():
     from timm.layers import AttentionPoolLatent
 
     model = timm.create_model("deit_tiny_patch16_224", img_size=64, global_pool="map", class_token=False)
-    model.attn_pool = AttentionPoolLatent(192, num_heads=3, pos_embed="abs", feat_size=16)
+    model.attn_pool = AttentionPoolLatent(model.embed_dim, num_heads=3, pos_embed="abs",
+                                          feat_size=model.patch_embed.num_patches)
     return model
 
 

@@ -32,13 +32,15 @@ def build():
                              num_heads=3, num_classes=4)
 
 
-def shard(model, inner=()):
-    """Shard the blocks and the model, and first each block's modules named in ``inner``."""
+def shard(model, inner=(), whole=True):
+    """Shard the blocks, first each block's modules named in ``inner``, and then the model
+    unless ``whole`` is false."""
     for block in model.blocks:
         for name in inner:
             fully_shard(block.get_submodule(name))
         fully_shard(block)
-    fully_shard(model)
+    if whole:
+        fully_shard(model)
     return model
 
 
@@ -87,12 +89,8 @@ def test_an_attention_module_sharded_after_patch_is_named_at_the_first_call():
 
 @pytest.mark.parametrize("sharded", ["model and blocks", "blocks"])
 def test_unpatch_after_sharding_is_refused_and_changes_nothing(sharded):
-    model = vitprune.patch(build(), keep_rate=0.6)
-    if sharded == "blocks":  # the model keeps its patched class: the blocks must be seen
-        for block in model.blocks:
-            fully_shard(block)
-    else:
-        shard(model)
+    # with the blocks alone, the model keeps its patched class: the blocks must be seen
+    model = shard(vitprune.patch(build(), keep_rate=0.6), whole=sharded == "model and blocks")
     before = snapshot(model)
     with pytest.raises(TypeError, match="before fully_shard"):
         vitprune.unpatch(model)
@@ -102,12 +100,7 @@ def test_unpatch_after_sharding_is_refused_and_changes_nothing(sharded):
 
 @pytest.mark.parametrize("sharded", ["model and blocks", "blocks"])
 def test_patch_after_sharding_is_refused_and_changes_nothing(sharded):
-    model = build()
-    if sharded == "blocks":
-        for block in model.blocks:
-            fully_shard(block)
-    else:
-        shard(model)
+    model = shard(build(), whole=sharded == "model and blocks")
     before = snapshot(model)
     with pytest.raises(TypeError, match="call vitprune.patch .* before fully_shard"):
         vitprune.patch(model, keep_rate=0.6)
