@@ -31,11 +31,11 @@ MODELS = {
 }
 
 
-def build(kind, **extra):
+def build(kind, depth=4, **extra):
     options = dict(MODELS[kind])
     name = options.pop("name", "deit_tiny_patch16_224")
     torch.manual_seed(0)
-    model = timm.create_model(name, img_size=32, patch_size=8, depth=4, embed_dim=48, num_heads=3,
+    model = timm.create_model(name, img_size=32, patch_size=8, depth=depth, embed_dim=48, num_heads=3,
                               **options, **extra).eval()
     return make_visible(model, ("qkv.bias",))  # timm starts them at zero: a query bias left out shows
 
@@ -134,6 +134,17 @@ def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
     model, x = build(kind), images()
     expected = logits(vitprune.patch(copy.deepcopy(model), **{**options, "class_only_last": False}), x)
     vitprune.patch(model, **{**options, "class_only_last": True})
+    assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("keep", [0.9, 0.5])
+def test_the_default_schedule_of_a_shallow_model_gives_the_logits_it_gives_without_it(depth, keep):
+    # at depths 2 and 3 the paper's stages, whose token count sets the rate of "spread", include
+    # the last block: counted on one side only, it gave the option a rate of its own
+    model, x = build("class token", depth=depth), images()
+    expected = logits(vitprune.patch(copy.deepcopy(model), keep_rate=keep, class_only_last=False), x)
+    vitprune.patch(model, keep_rate=keep, class_only_last=True)
     assert_close(logits(model, x), expected, rtol=1e-5, atol=1e-6)
 
 

@@ -54,6 +54,9 @@ def test_config_is_frozen():
     ({"stages": 3}, TypeError, "sequence"),
     ({"stages": {3: 0.9, 6: 0.7}}, TypeError, r"got a dict; for a keep rate per stage pass keep_rate=\(...\)"),
     ({"stages": {3, 6}}, TypeError, "sequence of block indices, in order, got a set {3, 6}"),
+    ({"stages": b"\x03\x06"}, TypeError, r"sequence of block indices, got b'\\x03\\x06'"),  # bytes iterate as ints
+    ({"stages": bytearray(b"\x03\x06")}, TypeError, r"sequence of block indices, got bytearray\(b'\\x03\\x06'\)"),
+    ({"stages": memoryview(b"\x03\x06")}, TypeError, "sequence of block indices, got <memory at"),
     ({"stages": "spread4"}, ValueError, "unknown stages 'spread4'; accepted: 'spread', 'spread2', 'spread3', 'all', None"),
     ({"T": 0.0}, ValueError, "T must be > 0"),
     ({"T": -1.0}, ValueError, "T must be > 0"),
@@ -137,6 +140,29 @@ def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth
     paper = PruneConfig(keep_rate=keep, stages=None).resolve(depth)
     budget = tokens_summed(paper.keep_rate, paper.stages, depth, n)
     assert_largest_within(rate, list(range(depth)), depth, n, budget)
+
+
+@pytest.mark.parametrize("depth", range(1, 9))
+def test_the_class_token_alone_leaves_the_spread_rate_of_the_other_blocks_as_it_was(depth):
+    """``"spread"`` is fitted with every block counted on both sides: with ``class_only_last``
+    it loses its last block's stage and the other blocks keep their rate. At depths 2 and 3
+    the paper's stages include the last block; its stage was once left out on the paper's
+    side only, so the rate with the option came out higher (0.56 for 0.5 at depth 2, 16
+    patches), and so did the FLOPs and the logits."""
+    for n in (4, 16, 49, 196):
+        for keep in (0.9, 0.7, 0.5, 0.3):
+            on = PruneConfig(keep_rate=keep, class_only_last=True).resolve(depth, n)
+            off = PruneConfig(keep_rate=keep, class_only_last=False).resolve(depth, n)
+            assert off.stages == tuple(range(depth)), (n, keep)
+            assert (on.stages, on.keep_rate) == (off.stages[:-1], off.keep_rate[:-1]), (n, keep)
+
+
+@pytest.mark.parametrize("stages", ["spread", "spread2", "spread3"])
+@pytest.mark.parametrize("depth, n", [(12, 196), (6, 49), (4, 16)])
+def test_every_spread_schedule_at_keep_rate_one_keeps_rate_one(stages, depth, n):
+    for class_only in (True, False):
+        cfg = PruneConfig(keep_rate=1.0, stages=stages, class_only_last=class_only).resolve(depth, n)
+        assert cfg.stages and cfg.keep_rate == (1.0,) * len(cfg.stages)
 
 
 @pytest.mark.parametrize("depth, step, expected", [

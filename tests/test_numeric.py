@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import vitprune
+from conftest import assert_same, make_model, snapshot
 from vitprune.core.numeric import is_real, is_whole, real_or_type_error
 from vitprune.measure.evaluate import build_settings
 
@@ -166,3 +167,24 @@ def test_every_number_argument_raises_type_error_for_the_wrong_kind_and_value_er
 
 def test_keep_count_takes_numpy_numbers():
     assert vitprune.keep_count(np.float32(0.7), np.int64(196)) == vitprune.keep_count(0.7, 196) == 138
+
+
+#: Every argument that takes a sequence of whole numbers, with one it takes (for ``tiny``:
+#: 12 blocks at 224 x 224). The same numbers as a byte string iterate as the same ints.
+SEQUENCES = {
+    "patch stages": (lambda m, v: vitprune.patch(m, stages=v), [3, 6, 9]),
+    "analytic_flops img_size": (lambda m, v: vitprune.analytic_flops(m, img_size=v), [224, 224]),
+    "merging_config r per block": (lambda m, v: vitprune.merging_config(m, v), [8] * 12),
+}
+
+
+@pytest.mark.parametrize("name", SEQUENCES)
+def test_a_byte_string_is_no_sequence_of_whole_numbers(name):
+    call, numbers = SEQUENCES[name]
+    call(make_model("deit_tiny"), numbers)  # as a list, taken
+    model = make_model("deit_tiny")
+    before = snapshot(model)
+    for text in (bytes(numbers), bytearray(numbers), memoryview(bytes(numbers))):
+        with pytest.raises(TypeError, match=r"got (b'|bytearray\(b'|<memory at)"):
+            call(model, text)
+    assert_same(before, snapshot(model))

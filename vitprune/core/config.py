@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Final, Literal, Mapping, Optional, Sequence, Tuple, Union, get_args
 
-from .numeric import real_or_type_error, unit_share, whole_or_type_error
+from .numeric import TEXT_OR_BYTES, real_or_type_error, unit_share, whole_or_type_error
 
 Indicator = Literal["var", "medad", "cls", "random", "lowvar"]
 INDICATORS: Tuple[str, ...] = get_args(Indicator)
@@ -214,7 +214,7 @@ class PruneConfig:
                                 "for a keep rate per stage pass keep_rate=(...), one per stage in order")
             if isinstance(self.stages, abc.Set):
                 raise TypeError(f"stages must be a sequence of block indices, in order, got a set {self.stages!r}")
-            if isinstance(self.stages, bytes) or not hasattr(self.stages, "__iter__"):
+            if isinstance(self.stages, TEXT_OR_BYTES) or not hasattr(self.stages, "__iter__"):
                 raise TypeError(f"stages must be a sequence of block indices, got {self.stages!r}")
             stages = tuple(_check_stage(s) for s in self.stages)
             if len(set(stages)) != len(stages):
@@ -309,7 +309,9 @@ class PruneConfig:
             stages, rates = config.schedule()
             return token_counts(rates, stages, depth, num_patches, fuse)
 
-        paper = counts(dataclasses.replace(self, stages=None)._explicit(depth, named=self.stages)._class_only(depth))
+        # the paper's stages as written (a stage at the last block counted), as ``spread`` below: with
+        # ``class_only_last`` both lose their last block's stage, and the other blocks keep what they kept
+        paper = counts(dataclasses.replace(self, stages=None)._explicit(depth, named=self.stages))
         every = tuple(range(depth))
         spread = run(every, _largest_rate(lambda r: counts(run(every, r, False)), paper, num_patches))
         step = SPREAD_STEPS[str(self.stages)]

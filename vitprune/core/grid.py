@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .numeric import is_whole
+from .numeric import TEXT_OR_BYTES, is_whole
 from .stem import run_stem, stem_of
 
 
@@ -81,7 +81,7 @@ def input_size(model: nn.Module, img_size: Optional[Sequence[int]] = None) -> Tu
             raise TypeError(f"pass img_size: this {type(model).__name__} does not say its input size")
         return own
     pair = (img_size, img_size) if is_whole(img_size) else img_size
-    if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+    if (isinstance(pair, TEXT_OR_BYTES) or not isinstance(pair, Sequence) or len(pair) != 2
             or not all(is_whole(s) for s in pair)):
         raise TypeError(f"img_size must be an int or a pair of ints (H, W), got {img_size!r}")
     pair = int(pair[0]), int(pair[1])

@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # typing's own from Python 3.10; torch requires typing_extens
     from typing_extensions import TypeGuard
 
 
+#: Text and byte strings: never a sequence of numbers here, though ``bytes``, ``bytearray`` and
+#: ``memoryview`` iterate as ints (``bytearray(b"\x03\x06")`` would read as the blocks ``(3, 6)``).
+TEXT_OR_BYTES = (str, bytes, bytearray, memoryview)
+
+
 def is_whole(value: object) -> TypeGuard[int]:
     """An ``int`` or another integer type (NumPy's, say), but not a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..core.config import PruneConfig
 from ..core.grid import num_patches
-from ..core.numeric import is_whole
+from ..core.numeric import TEXT_OR_BYTES, is_whole
 from ..core.patching import check_model, settle_class_only
 from ..core.registry import blocks_of
 from .budget import check_target
@@ -57,7 +57,7 @@ def _merging_config(model: nn.Module, r: Union[int, Sequence[int]], img_size: Op
     wanted = f"r must be an int >= 0 or {depth} of them (one per block), got {r!r}"
     if is_whole(r):
         amounts = [r] * depth
-    elif isinstance(r, Sequence) and not isinstance(r, str):  # type: ignore[unreachable]  # a str is typed out
+    elif isinstance(r, Sequence) and not isinstance(r, TEXT_OR_BYTES):
         amounts = list(r)
     else:
         raise TypeError(wanted)
