@@ -111,9 +111,12 @@ def test_bench_bf16_weights_times_bfloat16_models_without_autocast(tmp_path, mon
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
     (["--out", "table.txt"], "must end in .json or .csv"),
     (["--stages", "3,x"], "comma-separated block indices"),
+    (["--stages", "3,,9"], "comma-separated block indices like 3,6,9, got '3,,9'"),  # not (3, 9)
+    (["--stages", "3,6,"], "comma-separated block indices like 3,6,9, got '3,6,'"),
     (["--stages", "spread4"], "one of spread, spread2, spread3, all, paper or comma-separated block indices"),
     (["--indicators", "entropy"], "invalid choice"),
     (["--batch", "0"], "positive integer"),
+    (["--overlap-strides", "0"], "argument --overlap-strides: must be a positive integer, got 0"),
     (["--model", "xcit_nano_12_p16_224"], "its cross-covariance attention mixes channels"),
     (["--dtype", "bf16-weights", "--mode", "train"], "--dtype bf16-weights times inference only"),
 ])

@@ -274,6 +274,14 @@ def bad(tmp_path, fashion_tree):
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--out", "rows.txt"], ".json or .csv"),
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--plot", "front.jpg"], ".png"),
     (lambda d, f: ["--data-dir", str(f)], "name a model"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--keep-rates", "0"],
+     "argument --keep-rates: must be in (0, 1], got 0"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--budgets", "1.5"],
+     "argument --budgets: must be in (0, 1], got 1.5"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--budgets", "most"],
+     "argument --budgets: must be a number in (0, 1], got 'most'"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--limit", "0"],
+     "argument --limit: must be a positive integer, got 0"),
     (lambda d, f: ["--resnet", "--data-dir", str(f)], "unrecognized arguments"),
 ])
 def test_bad_input_exits_2_with_one_line(bad, fashion_tree, arguments, message, capsys):
