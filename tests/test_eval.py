@@ -4,6 +4,7 @@ import copy
 import csv
 import json
 import re
+import shlex
 import types
 
 import pytest
@@ -13,7 +14,8 @@ from PIL import Image
 
 import vitprune
 from conftest import small_vit
-from vitprune.commands.cli import main
+from vitprune.commands.cli import build_parser, main
+from vitprune.commands.eval import problem_with, record
 from vitprune.data import folders
 from vitprune.data.accuracy import accuracy
 from vitprune.data.shipped import checkpoint_path, data_config, load_shipped, load_test_subset
@@ -102,6 +104,7 @@ def test_json_rows_carry_the_schema(fashion_tree, tmp_path):
     result = json.loads(out.read_text())
     assert result["command"].startswith("vitprune eval --checkpoint")
     assert set(result["versions"]) == {"vitprune", "torch", "timm"}
+    assert result["device"] == "cpu" and result["amp"] is False and ASSET in result["weights"]
     keys = {"setting", "method", "keep_rate", "budget", "top1", "top5", "gflops", "flops_share", "images_per_s",
             "speedup", "images", "batches"}
     assert all(keys <= set(row) for row in result["rows"])
@@ -274,6 +277,10 @@ def bad(tmp_path, fashion_tree):
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--out", "rows.txt"], ".json or .csv"),
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--plot", "front.jpg"], ".png"),
     (lambda d, f: ["--data-dir", str(f)], "name a model"),
+    (lambda d, f: ["--checkpoint", ASSET, "--pretrained", "--data-dir", str(f)], "--pretrained needs --model"),
+    (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--workers", "-1"], "--workers must be >= 0, got -1"),
+    # the folder is checked before the model loads
+    (lambda d, f: ["--model", "no_such_vit", "--data-dir", str(d / "file.txt")], "no such data folder"),
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--keep-rates", "0"],
      "argument --keep-rates: must be in (0, 1], got 0"),
     (lambda d, f: ["--checkpoint", ASSET, "--data-dir", str(f), "--budgets", "1.5"],
@@ -292,6 +299,28 @@ def test_bad_input_exits_2_with_one_line(bad, fashion_tree, arguments, message, 
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1]
+
+
+def test_keep_rates_given_empty_without_budgets_evaluate_the_unpruned_model_alone(fashion_tree, capsys):
+    # 0.7 is the default only when --keep-rates is not given; one row has no speedup to steady
+    assert main(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree), "--limit", "20", "--keep-rates",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1 settings" not in out and re.search(r"^unpruned ", out, re.M) and not re.search(r"^default", out, re.M)
+    assert "batch timed" not in out and "batches timed" not in out
+
+
+def test_the_recorded_command_is_quoted_to_run_again_in_a_shell():
+    argv = ["eval", "--checkpoint", ASSET, "--data-dir", "my images/val", "--plot", "it's.png"]
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    assert shlex.split(record([], args, "random weights")["command"]) == ["vitprune", *argv]
+
+
+def test_a_plot_name_may_end_in_png_in_capitals(fashion_tree):
+    args = build_parser().parse_args(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree),
+                                      "--plot", "FRONT.PNG"])
+    assert problem_with(args) is None
 
 
 def test_a_model_vitprune_cannot_patch_exits_2(rgb_tree, capsys):
