@@ -140,7 +140,7 @@ def test_reducing_gives_the_logits_of_the_same_patch_without_it(kind, options):
 @pytest.mark.parametrize("depth", [2, 3])
 @pytest.mark.parametrize("keep", [0.9, 0.5])
 def test_the_default_schedule_of_a_shallow_model_gives_the_logits_it_gives_without_it(depth, keep):
-    # at depths 2 and 3 the paper's stages, whose token count sets the rate of "spread", include
+    # at depths 2 to 4 the paper's stages, whose token count sets the rate of "spread", include
     # the last block: counted on one side only, it gave the option a rate of its own
     model, x = build("class token", depth=depth), images()
     expected = logits(vitprune.patch(copy.deepcopy(model), keep_rate=keep, class_only_last=False), x)

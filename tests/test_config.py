@@ -145,7 +145,7 @@ def test_spread_reduces_in_every_block_within_the_papers_token_count(keep, depth
 @pytest.mark.parametrize("depth", range(1, 9))
 def test_the_class_token_alone_leaves_the_spread_rate_of_the_other_blocks_as_it_was(depth):
     """``"spread"`` is fitted with every block counted on both sides: with ``class_only_last``
-    it loses its last block's stage and the other blocks keep their rate. At depths 2 and 3
+    it loses its last block's stage and the other blocks keep their rate. At depths 2 to 4
     the paper's stages include the last block; its stage was once left out on the paper's
     side only, so the rate with the option came out higher (0.56 for 0.5 at depth 2, 16
     patches), and so did the FLOPs and the logits."""

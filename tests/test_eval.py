@@ -306,7 +306,7 @@ def test_keep_rates_given_empty_without_budgets_evaluate_the_unpruned_model_alon
     assert main(["eval", "--checkpoint", ASSET, "--data-dir", str(fashion_tree), "--limit", "20", "--keep-rates",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "1 settings" not in out and re.search(r"^unpruned ", out, re.M) and not re.search(r"^default", out, re.M)
+    assert re.search(r"^unpruned ", out, re.M) and not re.search(r"^default", out, re.M)
     assert "batch timed" not in out and "batches timed" not in out
 
 
