@@ -225,6 +225,25 @@ def test_models_whose_head_reads_more_are_refused_untouched(model):
     assert_same(before, snapshot(model))
 
 
+def test_an_attention_pool_left_under_global_pool_token_is_refused_and_named():
+    """timm's ``pool`` runs ``attn_pool`` whenever there is one, whatever ``global_pool`` says,
+    so a head that reads every token is refused however the attribute was set; the default
+    leaves the last block whole, with the unpruned model's logits when nothing is reduced."""
+    torch.manual_seed(0)
+    model = timm.create_model("vit_base_patch16_siglip_224", img_size=32, patch_size=8, depth=2, embed_dim=48,
+                              num_heads=3).eval()
+    model.global_pool = "token"  # set by hand: timm's reset_classifier would drop attn_pool
+    before, x = snapshot(model), images()
+    expected = logits(model, x)
+    with pytest.raises(TypeError, match="class_only_last=True cannot apply") as caught:
+        vitprune.patch(model, class_only_last=True)
+    assert "pools with an attention pool (AttentionPoolLatent)" in str(caught.value)
+    assert_same(before, snapshot(model))
+    vitprune.patch(model, keep_rate=1.0)
+    assert vitprune.get_config(model).class_only_last is False
+    assert_close(logits(model, x), expected, rtol=0, atol=1e-6)
+
+
 class _SubclassedAttention(Attention):
     """timm's Attention under another name: class_only_last computes timm's own attention
     itself, so it takes the exact class only."""

@@ -15,7 +15,7 @@ from timm.layers import ConvMlp
 from timm.models.vision_transformer import Block
 from vitprune.measure.budget import fit_keep_rate
 from vitprune.core.grid import num_patches
-from vitprune.measure.flops import analytic_flops, count_flops, schedule_flops, token_schedule
+from vitprune.measure.flops import analytic_flops, count_flops, reduction_flops, schedule_flops, token_schedule
 
 
 class OwnBlock(Block):
@@ -32,6 +32,50 @@ def dynamic_deit():
 def deit_small():
     torch.manual_seed(0)
     return timm.create_model("deit_small_patch16_224").eval()
+
+
+# By hand, for 16 tokens of width C = 48 in 3 heads (keys compared d = 16 wide): each pair of
+# tokens compared costs d, and each token fewer one C-wide addition (the count's convention:
+# n - out of them, for a fusion of r tokens r - 1, and charged to a drop as well).
+#  - top: the best-scored tokens stay; a merge compares each removed token with each kept one;
+#  - redundant: the best-scored min(kept, n // 2) are destinations, the other tokens candidates;
+#  - bipartite: rounds of odd candidates against even destinations, each removing at most half.
+@pytest.mark.parametrize("selection, reduction, out, expected", [
+    ("top", "fuse", 9, 7 * 48),                              # 8 kept + the fusion of 8
+    ("top", "drop", 8, 8 * 48),
+    ("top", "merge", 8, 8 * 8 * 16 + 8 * 48),
+    ("redundant", "merge", 8, 8 * 8 * 16 + 8 * 48),          # 8 destinations, 8 candidates
+    ("redundant", "merge", 4, 4 * 12 * 16 + 12 * 48),        # 4 destinations, 12 candidates
+    ("redundant", "fuse", 9, 8 * 8 * 16 + 7 * 48),
+    ("redundant", "drop", 8, 8 * 8 * 16 + 8 * 48),
+    ("bipartite", "merge", 8, 8 * 8 * 16 + 8 * 48),          # one round: 16 -> 8
+    ("bipartite", "merge", 4, 8 * 8 * 16 + 4 * 4 * 16 + 12 * 48),  # 16 -> 8 -> 4
+    ("bipartite", "drop", 12, 8 * 8 * 16 + 4 * 48),
+])
+def test_a_reduction_step_costs_its_comparisons_and_sums_by_hand(selection, reduction, out, expected):
+    config = vitprune.PruneConfig(selection=selection, reduction=reduction)
+    assert reduction_flops(config, 16, out, 48, 3) == expected
+    assert reduction_flops(config, 16, 16, 48, 3) == 0  # a stage that keeps every token reduces nothing
+
+
+@pytest.mark.parametrize("options, scored_stages", [
+    (dict(PAPER), 3),                                   # the paper's stages (3, 6, 9) score their class row
+    (dict(stages=(3, 6, 9), reduction="fuse"), 3),      # a fusion token weights by the scores
+    (dict(stages=(3, 6, 9)), 0),                        # bipartite merging reads no score
+    (dict(stages="all"), 0),
+])
+def test_at_keep_1_a_stage_costs_its_class_row_where_it_scores_and_nothing_else(options, scored_stages):
+    # by hand: deit_tiny at 64 x 64 has 1 + 16 tokens of width 192; a class row is 17 x 192
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=64).eval()
+    config = vitprune.PruneConfig(keep_rate=1.0, **{**options, "class_only_last": False})
+    assert schedule_flops(model, config) - analytic_flops(model) == scored_stages * 17 * 192
+
+
+def test_an_odd_bipartite_round_compares_its_odd_candidates_with_its_even_destinations():
+    # 15 tokens: 8 even destinations, 7 odd candidates; one round removes 5 (15 -> 10)
+    config = vitprune.PruneConfig(selection="bipartite", reduction="merge")
+    assert reduction_flops(config, 15, 10, 48, 3) == 7 * 8 * 16 + 5 * 48
 
 
 def test_deit_small_unpruned_counts_agree_and_match_the_published_figure(deit_small):
@@ -149,6 +193,43 @@ def test_analytic_and_traced_counts_agree_on_every_family(name, kwargs):
         # fvcore's products: both counts leave the norms out (a ResNetV2 stem's are 4 % of it)
         traced, analytic = count_flops(model, products_only=True), analytic_flops(model)
         assert abs(traced - analytic) / traced < 0.002, (options, traced, analytic)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # fvcore's tracer touches the deprecated torch.jit.script
+@pytest.mark.parametrize("latent_len", [1, 3])
+def test_an_attention_pool_counts_what_fvcore_counts_of_it_alone(latent_len):
+    """A pooling attention is a small part of a whole model's count (within the tolerance
+    above), so its own count is checked alone: the analytic count less that of the same model
+    pooling by a mean (no products), against fvcore on the pool by itself, norms left out."""
+    from fvcore.nn import FlopCountAnalysis
+
+    torch.manual_seed(0)
+    model = timm.create_model("vit_base_patch16_siglip_224", img_size=64, depth=1, embed_dim=96, num_heads=4).eval()
+    if latent_len > 1:  # more learned queries: each one's projections and products count
+        model.attn_pool.latent = nn.Parameter(torch.randn(1, latent_len, 96))
+        model.attn_pool.latent_len = latent_len
+    vitprune.patch(model, keep_rate=0.5)
+    tokens = token_schedule(vitprune.get_config(model), 1, 0, 16)[-1].mlp
+    pooled_by_mean = copy.deepcopy(model)
+    pooled_by_mean.attn_pool, pooled_by_mean.global_pool = None, "avg"
+
+    def attention_products(inputs, outputs):  # q @ k^T and attn @ v, one multiply-add each
+        q, k = (input.type().sizes() for input in inputs[:2])
+        return q[0] * q[1] * q[2] * k[2] * q[3] * 2
+
+    analysis = FlopCountAnalysis(model.attn_pool, torch.zeros(1, tokens, 96)).set_op_handle(
+        "aten::scaled_dot_product_attention", attention_products)
+    analysis.unsupported_ops_warnings(False)
+    traced = sum(flops for op, flops in analysis.by_operator().items() if op != "layer_norm")
+    assert analytic_flops(model) - analytic_flops(pooled_by_mean) == traced > 0
+
+
+def test_count_flops_feeds_a_model_the_channels_its_first_convolution_reads():
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=32, depth=2, in_chans=1).eval()  # grayscale
+    vitprune.patch(model, keep_rate=0.5)
+    traced, analytic = count_flops(model, products_only=True), analytic_flops(model)
+    assert abs(traced - analytic) / traced < 0.002
 
 
 def test_fit_keep_rate_meets_the_budget_on_a_rope_model():

@@ -33,6 +33,19 @@ def test_deit_small_stride_12_gives_an_18_by_18_grid():
     assert overlapped_grid((224, 224), (16, 16), 12) == (18, 18)
 
 
+def test_a_non_square_patch_and_image_give_each_side_its_own_grid():
+    # by hand: (64 - 16) // 4 + 1 = 13 rows, (48 - 8) // 4 + 1 = 11 columns
+    assert overlapped_grid((64, 48), (16, 8), 4) == (13, 11)
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", img_size=(64, 48), patch_size=(16, 8), depth=2).eval()
+    vitprune.patch(model, keep_rate=0.6, overlap_stride=4)
+    assert model.patch_embed.grid_size == (13, 11) and model.patch_embed.num_patches == 13 * 11
+    assert model.pos_embed.shape[1] == 1 + 13 * 11
+    assert tokens_entering_first_block(model, torch.randn(1, 3, 64, 48)) == 1 + 13 * 11
+    with pytest.raises(ValueError, match=r"overlap_stride must be in \[1, 8\] \(at most the patch size \(16, 8\)\)"):
+        vitprune.patch(model, keep_rate=0.6, overlap_stride=12)  # past the narrower side
+
+
 @pytest.mark.parametrize("name", ["deit_tiny", "deit3_small (LayerScale)", "deit_tiny_distilled (2 prefix)"])
 def test_stride_equal_to_the_patch_size_changes_nothing(name):
     model = make_model(name)
@@ -52,6 +65,13 @@ def test_resampling_is_torch_bicubic_and_keeps_prefix_entries():
     expected = F.interpolate(grid, size=(7, 9), mode="bicubic", align_corners=False)
     assert torch.equal(out[:, :2], pos[:, :2])
     assert_close(out[:, 2:], expected.permute(0, 2, 3, 1).reshape(1, 63, 8))
+
+
+def test_resampling_a_bfloat16_embedding_interpolates_in_float32():
+    pos = torch.randn(1, 1 + 4 * 4, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = resample_grid_embed(pos, 1, (4, 4), (7, 7))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, resample_grid_embed(pos.float(), 1, (4, 4), (7, 7)).to(torch.bfloat16))
 
 
 def test_resampling_an_unchanged_grid_is_the_identity():
@@ -84,6 +104,18 @@ def test_unpatch_restores_every_parameter_and_attribute_exactly(tiny):
     assert (tiny.patch_embed.proj.stride, tiny.patch_embed.grid_size, tiny.patch_embed.num_patches) == embed_state
     assert_same(before, snapshot(tiny))
     assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("stride", [12, 16])
+def test_unpatch_after_training_restores_the_original_position_embedding_at_any_stride(tiny, stride):
+    """The record keeps its own copy, also where the grid does not change (stride = patch size):
+    an optimizer step changes the position embedding in place, and unpatch puts back the original."""
+    original = tiny.pos_embed.detach().clone()
+    vitprune.patch(tiny, keep_rate=0.6, overlap_stride=stride)
+    with torch.no_grad():
+        tiny.pos_embed.add_(1.0)  # in place, as an optimizer step
+    vitprune.unpatch(tiny)
+    assert torch.equal(tiny.pos_embed.detach(), original)
 
 
 def test_patching_an_overlapped_model_again_replaces_the_overlap(tiny):
@@ -158,6 +190,15 @@ def test_bad_strides_raise_and_leave_the_model_untouched(tiny, stride, error, ma
         vitprune.patch(tiny, keep_rate=0.6, overlap_stride=stride)
     assert_same(before, snapshot(tiny))
     assert not vitprune.is_patched(tiny)
+
+
+def test_a_patch_embedding_that_already_overlaps_is_refused_untouched(tiny):
+    tiny.patch_embed.proj.stride = (8, 8)  # overlapping already, not by vitprune
+    before = snapshot(tiny)
+    with pytest.raises(TypeError, match=r"the patch embedding already has stride \(8, 8\) for patch size \(16, 16\)"):
+        vitprune.patch(tiny, keep_rate=0.6, overlap_stride=12)
+    assert_same(before, snapshot(tiny))
+    assert tiny.patch_embed.proj.stride == (8, 8) and not vitprune.is_patched(tiny)
 
 
 def test_a_hybrid_cnn_stem_cannot_overlap():
@@ -245,8 +286,10 @@ def test_set_input_size_on_an_overlapped_model_is_its_forward_at_that_size(keep_
         assert torch.equal(static(x), dynamic(x))
 
 
-def test_unpatch_after_set_input_size_leaves_what_the_call_leaves_on_the_unpatched_model():
-    _, model = small_dynamic_and_static()
+@pytest.mark.parametrize("name", ["deit_tiny_patch16_224", "deit3_small_patch16_224"])  # deit3: no class entry
+def test_unpatch_after_set_input_size_leaves_what_the_call_leaves_on_the_unpatched_model(name):
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=64).eval()
     expected = copy.deepcopy(model)
     expected.set_input_size(img_size=96)
     vitprune.patch(model, keep_rate=0.7, overlap_stride=8)

@@ -11,6 +11,7 @@ from torch import nn
 import vitprune
 from conftest import FAMILIES, assert_same, build, images, paper, small_vit, snapshot
 from vitprune.commands.cli import main
+from vitprune.core.state import DYNAMO_TRACES_RECORDS
 from vitprune.core.tokens import fusion_weights
 
 
@@ -95,6 +96,19 @@ def test_forward_intermediates_gives_maps_after_pruning_on_every_family(name):
         assert torch.equal(grid, spread.reshape(2, *grid.shape[2:], -1).permute(0, 3, 1, 2))
 
 
+def test_forward_intermediates_spreads_the_map_of_the_first_reducing_block_itself():
+    """A reducing block's output already has fewer tokens than the grid, so the NCHW map of
+    the first one, taken as the last index, is spread back over the grid too."""
+    model = vitprune.patch(build("gap, no class token"), keep_rate=0.5, stages=(2,))
+    x = images(model, batch=2)
+    with torch.no_grad():
+        maps = model.forward_intermediates(x, indices=[2], intermediates_only=True)
+        tokens = model.forward_intermediates(x, indices=[2], output_fmt="NLC", intermediates_only=True)
+    assert maps[0].shape[2] * maps[0].shape[3] == model.patch_embed.num_patches > tokens[0].shape[1]
+    spread = vitprune.unmerge(model, tokens[0], 2)
+    assert torch.equal(maps[0], spread.reshape(2, *maps[0].shape[2:], -1).permute(0, 3, 1, 2))
+
+
 POOLED = ["gap, no class token", "Eva02 (rope, SwiGLU, avg pool)", "BEiT (relative position bias)",
           "siglip map (attention pool)", "relpos, no class token"]
 
@@ -115,12 +129,44 @@ def test_forward_head_pools_with_the_sizes_of_the_features_it_is_given(name):
     torch.testing.assert_close(from_intermediates, expected)
 
 
+@pytest.mark.parametrize("name", POOLED)
+def test_a_compiled_forward_head_pools_with_the_sizes_of_the_features_it_is_given(name):
+    """Eager features from an earlier forward, given to ``forward_head`` compiled alone: the
+    graph reads their recorded sizes, not those of the forward that ran last (it did, before).
+    One graph where dynamo traces the records; before torch 2.6 the head runs eagerly inside."""
+    model = vitprune.patch(build(name), keep_rate=0.5)
+    a, b = images(model, seed=1), images(model, seed=2)
+    head = torch.compile(model.forward_head, fullgraph=DYNAMO_TRACES_RECORDS, backend="eager")
+    with torch.no_grad():
+        expected_a, expected_b = model(a), model(b)
+        features_a = model.forward_features(a)
+        features_b = model.forward_features(b)  # the last forward: b's sizes in the state
+        got_a, got_b = head(features_a), head(features_b)
+    torch.testing.assert_close(got_a, expected_a)
+    torch.testing.assert_close(got_b, expected_b)
+
+
 def test_forward_head_refuses_features_whose_sizes_it_cannot_know():
     model = vitprune.patch(build("gap, no class token"), keep_rate=0.5)
     with torch.no_grad():
         features = model.forward_features(images(model))
         with pytest.raises(ValueError, match="did not come from this model's forward_features"):
             model.forward_head(features.clone())
+
+
+@pytest.mark.parametrize("name", ["gap, no class token", "Eva02 (rope, SwiGLU, avg pool)"])
+def test_forward_head_pools_features_of_another_token_count_as_timm_does(name):
+    """Features with as many tokens as the grid has patches (the unpatched model's, here), given
+    after a pruned forward left unequal sizes: every token is one patch, so timm's own pooling,
+    not the refusal meant for a copy of the pruned forward's features."""
+    model = build(name)
+    x = images(model)
+    with torch.no_grad():
+        whole = model.forward_features(x).clone()
+        expected = model.forward_head(whole)
+        vitprune.patch(model, keep_rate=0.5)
+        model(x)  # a pruned forward: the state holds its unequal sizes
+        torch.testing.assert_close(model.forward_head(whole), expected, rtol=0, atol=0)
 
 
 def test_a_tiny_temperature_gives_finite_outputs_and_the_limit_weights():

@@ -292,6 +292,12 @@ class PruneConfig:
             return self.crowding
         return DEFAULT_CROWDING if self.selection == "bipartite" else 0.0
 
+    @property
+    def needs_scores(self) -> bool:
+        """Whether a reducing block scores its tokens (the class row of attention): every
+        selection but bipartite matching reads the scores, and a fusion token weights by them."""
+        return self.selection != "bipartite" or self.reduction == "fuse"
+
     def _spread(self, depth: int, num_patches: int) -> "PruneConfig":
         """The spread schedule resolved, ``class_only_last`` applied. ``"spread"``: every
         block reduces, by the largest common keep rate whose tokens (summed over blocks, so

@@ -178,7 +178,7 @@ class PruneState:
         self.config = config
         self.num_prefix = num_prefix
         self.generator = generator
-        self.needs_scores = config.selection != "bipartite" or config.reduction == "fuse"
+        self.needs_scores = config.needs_scores
         self.row_source = row_source if self.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
         self._local = threading.local()

@@ -82,7 +82,10 @@ def _token_head_reason(model: Any) -> "str | None":
     """Why ``model``'s head may read more than its prefix tokens (a sentence), or ``None``
     when it reads them alone (timm's ``global_pool="token"``, no attention pool): the first
     condition of ``class_only_last`` (``Family.class_only``) for timm's models."""
-    if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
+    if getattr(model, "attn_pool", None) is not None:  # timm runs it whatever global_pool says
+        return ("the head must read the class token alone (global_pool='token'), but this model pools "
+                f"with an attention pool ({type(model.attn_pool).__name__}), which reads every token of the last block")
+    if model.global_pool != "token":
         return (f"the head must read the class token alone (global_pool='token'), but this model pools "
                 f"with global_pool={model.global_pool!r}, which reads every token of the last block")
     return None
@@ -143,8 +146,10 @@ class PrunedModel(_TimmModel):
             cls._vitprune_intermediates_defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
 
     def _vitprune_sizes(self, x: torch.Tensor) -> "torch.Tensor | None":
-        """The token sizes of features ``x``: those recorded on it by ``forward_features``;
-        while tracing, those of the forward being traced; ``None`` when every token is one patch.
+        """The token sizes of features ``x``: those recorded on it by ``forward_features`` (also
+        where a compiled caller is given them: a compiled ``forward_head``); else, while tracing,
+        those of the forward being traced (features made in the graph carry no record); ``None``
+        when every token is one patch.
 
         Raises:
             ValueError: ``x`` does not come from ``forward_features`` (a copy, say) and this
@@ -152,7 +157,7 @@ class PrunedModel(_TimmModel):
                 ``x``'s sizes cannot be known.
         """
         state = self.__dict__.get("vitprune_state")
-        if not is_compiling() and hasattr(x, SIZES_ATTR):
+        if hasattr(x, SIZES_ATTR):  # dynamo reads (and guards on) an input's attribute
             return getattr(x, SIZES_ATTR)
         sizes = None if state is None else state.sizes
         if sizes is None or sizes.shape != (x.shape[0], x.shape[1] - self.num_prefix_tokens):

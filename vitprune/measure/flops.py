@@ -60,7 +60,10 @@ def token_schedule(config: Optional[PruneConfig], depth: int, num_prefix: int, n
 def reduction_flops(config: PruneConfig, n: int, out: int, C: int, heads: int) -> int:
     """Products of one reduction step from ``n`` to ``out`` non-prefix tokens of width ``C``:
     key similarities (``C / heads``-wide averaged keys) between removed or candidate tokens
-    and the kept or destination ones, then the fusion or merge sums."""
+    and the kept or destination ones, then the sums, one ``C``-wide addition per token fewer
+    (``n - out``; by this convention a fusion of ``r`` tokens counts ``r - 1``, and a drop,
+    which sums nothing, is charged too: under 1e-5 of a model, kept so that the recorded
+    experiments' counts stay those of the same code)."""
     if out == n:
         return 0
     kept = out - 1 if config.reduction == "fuse" else out
@@ -317,8 +320,9 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
                 total += _class_only_flops(cost, L, prefix, C)
                 continue
             total += L * cost.attention + 2 * L * L * cost.width + tokens.mlp * cost.rest
-            if config is not None and index in stages:
-                total += L * C + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
+            if config is not None and index in stages:  # the class row, where scored (at keep 1.0 too)
+                total += L * C * config.needs_scores + reduction_flops(config, L - prefix, tokens.mlp - prefix, C,
+                                                                       cost.heads)
         return total + layout.after_blocks(schedule[-1].mlp)
 
     return count
