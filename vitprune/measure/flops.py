@@ -320,9 +320,9 @@ def flop_counter(model: nn.Module, img_size: Optional[Sequence[int]] = None
                 total += _class_only_flops(cost, L, prefix, C)
                 continue
             total += L * cost.attention + 2 * L * L * cost.width + tokens.mlp * cost.rest
-            if config is not None and index in stages:  # the class row, where scored (at keep 1.0 too)
-                total += L * C * config.needs_scores + reduction_flops(config, L - prefix, tokens.mlp - prefix, C,
-                                                                       cost.heads)
+            if config is not None and index in stages:
+                row = L * C if config.needs_scores else 0  # the class row, where scored (at keep 1.0 too)
+                total += row + reduction_flops(config, L - prefix, tokens.mlp - prefix, C, cost.heads)
         return total + layout.after_blocks(schedule[-1].mlp)
 
     return count
