@@ -178,8 +178,7 @@ class PruneState:
         self.config = config
         self.num_prefix = num_prefix
         self.generator = generator
-        self.needs_scores = config.needs_scores
-        self.row_source = row_source if self.needs_scores else "none"
+        self.row_source = row_source if config.needs_scores else "none"
         self.overlap: Optional[OverlapRecord] = None
         self._local = threading.local()
         self._latest: Optional[ForwardRecords] = None  # the last forward's records, on any thread
@@ -349,7 +348,7 @@ class PruneState:
 
         config = self.config
         # scored at keep 1.0 too, so benchmarks there measure the scoring cost
-        row = scored.row  # given exactly when ``needs_scores`` (``row_source``)
+        row = scored.row  # given exactly when ``config.needs_scores`` (``row_source``)
         scores = self.scores(row) if row is not None else None
         k = kept_tokens(config.schedule()[1][stage], n)  # the resolved config's rate for this stage
         sizes = self._sizes_after(records, stage - 1, (B, n))
@@ -390,7 +389,7 @@ class PruneState:
                     functools.partial(bipartite_slots, merged.stays, merged.removed, merged.dest, n))
         removed_into = k if config.reduction == "fuse" else -1  # the fusion token follows the kept ones
         if config.selection == "top" and config.reduction != "merge":
-            assert scores is not None  # a selection by score (``needs_scores``)
+            assert scores is not None  # a selection by score (``config.needs_scores``)
             x, sel = prune_tokens(x, scores, P, k, config.reduction == "fuse", config.T)
             return (x, functools.partial(_given, sel.keep), sel.drop, sizes.gather(1, sel.keep),
                     functools.partial(token_slots, sel.keep, sel.drop, removed_into))
@@ -398,7 +397,7 @@ class PruneState:
         if config.selection == "bipartite":
             matched = match_bipartite(metric, k, sizes, config.crowding_weight)
         else:
-            assert scores is not None  # a selection by score (``needs_scores``)
+            assert scores is not None  # a selection by score (``config.needs_scores``)
             matched = match_top(scores, metric, k) if config.selection == "top" else match_redundant(scores, metric, k)
         if config.reduction == "merge":
             merged_tokens, sizes_kept = merge_tokens(x, sizes, matched, P)

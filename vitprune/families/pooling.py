@@ -82,13 +82,15 @@ def _token_head_reason(model: Any) -> "str | None":
     """Why ``model``'s head may read more than its prefix tokens (a sentence), or ``None``
     when it reads them alone (timm's ``global_pool="token"``, no attention pool): the first
     condition of ``class_only_last`` (``Family.class_only``) for timm's models."""
-    if getattr(model, "attn_pool", None) is not None:  # timm runs it whatever global_pool says
-        return ("the head must read the class token alone (global_pool='token'), but this model pools "
-                f"with an attention pool ({type(model.attn_pool).__name__}), which reads every token of the last block")
-    if model.global_pool != "token":
-        return (f"the head must read the class token alone (global_pool='token'), but this model pools "
-                f"with global_pool={model.global_pool!r}, which reads every token of the last block")
-    return None
+    attn_pool = getattr(model, "attn_pool", None)
+    if attn_pool is not None:  # timm runs it whatever global_pool says
+        pooling = f"an attention pool ({type(attn_pool).__name__})"
+    elif model.global_pool != "token":
+        pooling = f"global_pool={model.global_pool!r}"
+    else:
+        return None
+    return (f"the head must read the class token alone (global_pool='token'), but this model pools "
+            f"with {pooling}, which reads every token of the last block")
 
 
 def timm_class_only_reason(model: Any, blocks: "tuple[type, ...]", attention: str,
